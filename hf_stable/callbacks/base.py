@@ -1,0 +1,133 @@
+"""`StabilityCallback`: the base of every hf_stable monitor and guard.
+
+What it adds to `transformers.TrainerCallback`:
+
+* **Metrics in the Trainer's own logs.** `self.record({...})` buffers namespaced metrics
+  (`grad/norm_global`, `mem/reserved_gib`); at the next `on_log` they are merged into the logs dict and
+  into the matching `state.log_history` entry, so TensorBoard / W&B / trainer_state.json all get them.
+  At train start our callbacks move themselves before the reporting integrations so reporters see
+  the merged metrics (the Trainer otherwise calls reporters first).
+* **Events.** `self.event(...)` appends to `stability_events.jsonl` (main process only) and logs.
+* **Resume.** `state_dict()` / `load_state_dict()` of JSON-safe values. The state is kept in
+  `TrainerState.stateful_callbacks["hf_stable"][state_key]` every step, so every checkpoint's
+  trainer_state.json has it, and it is restored in place at `on_train_begin` when resuming. We do not
+  use transformers' `ExportableState` replacement, which rebuilds a *new* callback from constructor
+  args: it would drop configuration objects and the links between monitors and guards.
+
+Subclasses keep configuration in public attributes and runtime state in `_private` ones.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from transformers import TrainerCallback
+
+from hf_stable.callbacks.events import write_event
+
+STATE_KEY = "hf_stable"
+
+
+def _reorder_callbacks(handler) -> None:
+    """Put hf_stable callbacks right after DefaultFlowCallback, before reporting integrations."""
+    ours = [cb for cb in handler.callbacks if isinstance(cb, StabilityCallback)]
+    if not ours:
+        return
+    rest = [cb for cb in handler.callbacks if not isinstance(cb, StabilityCallback)]
+    pos = next((i + 1 for i, cb in enumerate(rest) if type(cb).__name__ == "DefaultFlowCallback"), 0)
+    new = rest[:pos] + ours + rest[pos:]
+    if new != handler.callbacks:
+        handler.callbacks = new  # a new list: the handler's running loop keeps iterating the old one
+
+
+def _find_handler():
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and hasattr(candidate, "callbacks") and hasattr(candidate, "call_event"):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class StabilityCallback(TrainerCallback):
+    """Base class of hf_stable callbacks.
+
+    Args:
+        enabled: when False the callback does nothing at all.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._pending: dict[str, float] = {}
+        self._output_dir: str | None = None
+        self._is_main = True
+        self._events: list[dict] = []
+
+    # --- identity and state -------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        return type(self).__name__
+
+    def state_dict(self) -> dict:
+        """JSON-safe runtime state to save in checkpoints. Override in subclasses."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned. Override in subclasses."""
+
+    # --- helpers for subclasses ---------------------------------------------------------
+    def record(self, metrics: dict[str, float]) -> None:
+        """Buffer metrics for the next Trainer log line (later values overwrite earlier ones)."""
+        self._pending.update(metrics)
+
+    def event(self, step: int, kind: str, message: str, **fields: Any) -> dict:
+        """Write a stability event (main process) and keep it in memory (every process)."""
+        ev = write_event(
+            self._output_dir, step=step, kind=kind, message=message, source=self.state_key,
+            is_main=self._is_main, **fields,
+        )
+        self._events.append(ev)
+        return ev
+
+    @property
+    def events(self) -> list[dict]:
+        return list(self._events)
+
+    # --- Trainer hooks --------------------------------------------------------------------
+    def on_init_end(self, args, state, control, **kwargs):
+        handler = _find_handler()
+        if handler is not None:
+            _reorder_callbacks(handler)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        handler = _find_handler()
+        if handler is not None:
+            _reorder_callbacks(handler)
+        self._output_dir = args.output_dir
+        self._is_main = state.is_world_process_zero
+        saved = (state.stateful_callbacks or {}).get(STATE_KEY, {}).get(self.state_key)
+        if saved is not None and state.global_step > 0:
+            self.load_state_dict(saved)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._save_into(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._save_into(state)
+
+    def _save_into(self, state) -> None:
+        if state.stateful_callbacks is None:
+            state.stateful_callbacks = {}
+        state.stateful_callbacks.setdefault(STATE_KEY, {})[self.state_key] = self.state_dict()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._pending or logs is None:
+            return
+        logs.update(self._pending)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self._pending)
+        self._pending = {}

@@ -1,0 +1,123 @@
+"""The whole run's configuration: one YAML file → `RunConfig`.
+
+Example:
+    >>> cfg = load_config("configs/default.yaml", ["--training.learning_rate", "1e-4"])
+    >>> cfg.training["learning_rate"]
+    0.0001
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hf_stable.config.attention import AttentionConfig
+from hf_stable.config.data import DataConfig
+from hf_stable.config.evaluation import EvaluationConfig
+from hf_stable.config.loader import build_section, coerce, parse_overrides, read_yaml, set_dotted
+from hf_stable.config.model import LoraSection, ModelConfig
+from hf_stable.config.optim import OptimConfig
+from hf_stable.config.stability import StabilityConfig
+from hf_stable.errors import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+
+
+@dataclass
+class RunConfig:
+    """Every section of a recipe. `training` is passed through to `transformers.TrainingArguments`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    doctor: bool = field(default=False, metadata={"help": "Run `hf-stable doctor` checks before training."})
+    training: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Keyword arguments of transformers.TrainingArguments."}
+    )
+    source: str | None = field(default=None, metadata={"help": "The YAML file this came from (set by the loader)."})
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.pop("source", None)
+        return out
+
+
+def _training_field_types() -> dict[str, Any]:
+    from transformers import TrainingArguments
+
+    hints = typing.get_type_hints(TrainingArguments)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+def _check_training(training: dict, problems: list[str]) -> dict:
+    """Unknown TrainingArguments keys are problems; numbers written as `1e-4` are coerced to float."""
+    types_ = _training_field_types()
+    out = {}
+    for key, value in training.items():
+        if key not in types_:
+            close = [k for k in types_ if key.replace("_", "") in k.replace("_", "")][:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else " (see transformers.TrainingArguments)"
+            problems.append(f"training.{key}: not a TrainingArguments field{hint}")
+            continue
+        tp = types_[key]
+        if tp in (float, int, bool):
+            sub: list[str] = []
+            coerced = coerce(value, tp, f"training.{key}", sub)
+            if sub and tp is int and isinstance(value, float) and value.is_integer():
+                coerced, sub = int(value), []
+            problems.extend(sub)
+            out[key] = value if sub else coerced
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_dict(data: dict, source: str | None = None) -> RunConfig:
+    problems: list[str] = []
+    cfg = build_section(RunConfig, data, "", problems)
+    if cfg is not None and not isinstance(cfg, RunConfig):
+        cfg = None
+    if cfg is not None:
+        cfg.training = _check_training(cfg.training, problems)
+        cfg.source = source
+    if problems:
+        raise ConfigError(problems, source=source)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, argv: list[str] | None = None) -> RunConfig:
+    """Load a YAML recipe (default `configs/default.yaml`) and apply `--section.key value` overrides.
+
+    Raises:
+        ConfigError: listing every unknown key, wrong type and bad value at once.
+    """
+    cli_path, overrides = parse_overrides(list(argv or []))
+    path = Path(cli_path or path or DEFAULT_CONFIG)
+    data = read_yaml(path)
+    for key, value in overrides:
+        set_dotted(data, key, value)
+    return config_from_dict(data, source=str(path))
+
+
+def training_arguments(cfg: RunConfig, **forced: Any):
+    """Build `TrainingArguments` from `cfg.training` plus values the recipe must own.
+
+    Raises:
+        ConfigError: when TrainingArguments rejects a value; the message names the field.
+    """
+    from transformers import TrainingArguments
+
+    kwargs = dict(cfg.training)
+    kwargs.setdefault("output_dir", str(Path("outputs") / Path(cfg.source or "run").stem))
+    kwargs.update(forced)
+    try:
+        return TrainingArguments(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"training: TrainingArguments rejected the values: {e}", source=cfg.source) from None

@@ -1,0 +1,162 @@
+"""Build, briefly pretrain and cache the tiny embedded base checkpoints (Llama, Qwen2, Qwen3).
+
+A base is a pure function of its config: same seed and sizes → bitwise the same weights. Builds are
+cached under a key derived from the config and `BUILDER_VERSION`, written to a temp dir and renamed
+into place, so an interrupted build is never picked up; a stale or partial entry is rebuilt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from hf_stable.config.model import EmbeddedBaseConfig
+from hf_stable.logging import get_logger
+
+logger = get_logger(__name__)
+
+BUILDER_VERSION = 1
+DONE_FILE = "build_info.json"
+
+
+def tiny_model_config(arch: str, cfg: EmbeddedBaseConfig, tokenizer):
+    """A transformers config of family `arch` sized by `cfg` (also used by tests for from-config models)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return Qwen3Config(**common, tie_word_embeddings=True, head_dim=cfg.hidden_size // cfg.num_attention_heads)
+    raise ValueError(f"unknown embedded arch {arch!r}")
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("HF_STABLE_CACHE") or Path.home() / ".cache" / "hf_stable"
+    return Path(root) / "bases"
+
+
+def cache_key(arch: str, cfg: EmbeddedBaseConfig) -> str:
+    payload = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
+    payload.update(arch=arch, builder=BUILDER_VERSION)
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+    return f"tiny-{arch}-{digest}"
+
+
+def _pretrain(model, tokenizer, cfg: EmbeddedBaseConfig, corpus: list[str]) -> list[float]:
+    import torch
+
+    eos = tokenizer.eos_token_id
+    stream: list[int] = []
+    for line in corpus:
+        stream.extend(tokenizer(line).input_ids + [eos])
+    n = len(stream) // cfg.pretrain_seq_len
+    data = torch.tensor(stream[: n * cfg.pretrain_seq_len]).view(n, cfg.pretrain_seq_len)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, weight_decay=0.01)
+    warm = max(1, cfg.pretrain_steps // 10)
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.pretrain_steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    losses = []
+    for _ in range(cfg.pretrain_steps):
+        idx = torch.randint(0, n, (cfg.pretrain_batch_size,), generator=gen)
+        batch = data[idx]
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def build_base(arch: str, cfg: EmbeddedBaseConfig, out_dir: str | Path) -> dict:
+    """Build the tiny `arch` base into `out_dir` (model + `tokenizer/`). Returns build info."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_stable.embedded.tasks import instruction_dataset, pretraining_corpus
+    from hf_stable.embedded.tokenizer import train_tokenizer
+
+    t0 = time.time()
+    torch.manual_seed(cfg.seed)
+    corpus = pretraining_corpus(cfg.seed)
+    # The tokenizer also sees instruction phrasing so prompts tokenize sensibly; the model does not.
+    train_rows, _ = instruction_dataset(cfg.seed, n_train=500, n_eval=0)
+    tok_texts = corpus + [r["instruction"] + " " + r["input"] for r in train_rows]
+    tokenizer = train_tokenizer(tok_texts, vocab_size=cfg.vocab_size)
+    model_cfg = tiny_model_config(arch, cfg, tokenizer)
+    model = AutoModelForCausalLM.from_config(model_cfg, attn_implementation="sdpa")
+    threads = torch.get_num_threads()
+    losses = _pretrain(model, tokenizer, cfg, corpus) if cfg.pretrain_steps else []
+    torch.set_num_threads(threads)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir / "tokenizer")
+    info = {
+        "arch": arch,
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"},
+        "builder_version": BUILDER_VERSION,
+        "pretrain_loss_first": losses[0] if losses else None,
+        "pretrain_loss_last": losses[-1] if losses else None,
+        "build_seconds": round(time.time() - t0, 2),
+        "n_parameters": sum(p.numel() for p in model.parameters()),
+    }
+    (out_dir / DONE_FILE).write_text(json.dumps(info, indent=2))
+    return info
+
+
+def ensure_base(arch: str, cfg: EmbeddedBaseConfig) -> Path:
+    """Path of the cached tiny base for (`arch`, `cfg`), building it first if missing or stale."""
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    final = cache / cache_key(arch, cfg)
+    if (final / DONE_FILE).is_file() and (final / "tokenizer").is_dir():
+        return final
+    if final.exists():  # partial or stale: never trust it
+        shutil.rmtree(final, ignore_errors=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    logger.info("building embedded base tiny-%s (seed %d) into %s", arch, cfg.seed, final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
+    try:
+        info = build_base(arch, cfg, tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process won the race; its build is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info(
+        "built tiny-%s in %.1fs: %d parameters, pretrain loss %.3f -> %.3f",
+        arch, info["build_seconds"], info["n_parameters"],
+        info["pretrain_loss_first"] or float("nan"), info["pretrain_loss_last"] or float("nan"),
+    )
+    return final

@@ -1,0 +1,40 @@
+"""The hf_stable error family.
+
+Every error a user can cause (bad config, bad data, a missing path) is an `HfStableError`, so the
+recipe can print one clear message and exit non-zero instead of a traceback wall. Messages say what
+happened, where (file:line, field, parameter, step) and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class HfStableError(Exception):
+    """Base class of every error hf_stable raises on purpose."""
+
+
+class ConfigError(HfStableError):
+    """A configuration problem. Carries every problem found, not just the first.
+
+    Args:
+        problems: one human-readable line per problem, each naming the key, the value and what is allowed.
+        source: the config file the problems come from, when there is one.
+    """
+
+    def __init__(self, problems: list[str] | str, source: str | None = None):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} configuration problem(s){where}:\n{lines}")
+
+
+class DataError(HfStableError):
+    """A problem with training data: malformed record, missing field, bad token ids."""
+
+
+class ModelError(HfStableError):
+    """A problem loading or building a model or tokenizer (missing path, unknown architecture)."""
+
+
+class MissingDependencyError(HfStableError, ImportError):
+    """An optional extra is needed for what was asked."""
