@@ -41,7 +41,7 @@ class RunConfig:
     training: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Keyword arguments of transformers.TrainingArguments."}
     )
-    source: str | None = field(default=None, metadata={"help": "The YAML file this came from (set by the loader)."})
+    source: str | None = field(default=None, init=False, metadata={"help": "The YAML file this came from."})
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -92,6 +92,32 @@ def config_from_dict(data: dict, source: str | None = None) -> RunConfig:
     return cfg
 
 
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_recipe(path: Path, _seen: tuple = ()) -> dict:
+    """Read a YAML recipe, resolving `extends: other.yaml` (relative to this file) by deep merge."""
+    data = read_yaml(path)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ConfigError(f"extends: got {parent!r}, expected a YAML file path", source=str(path))
+    parent_path = (path.parent / parent).resolve()
+    if parent_path in _seen:
+        raise ConfigError(f"extends: cycle through {parent_path}", source=str(path))
+    if not parent_path.is_file():
+        raise ConfigError(f"extends: {parent!r} not found (looked at {parent_path})", source=str(path))
+    return _deep_merge(read_recipe(parent_path, (*_seen, parent_path)), data)
+
+
 def load_config(path: str | Path | None = None, argv: list[str] | None = None) -> RunConfig:
     """Load a YAML recipe (default `configs/default.yaml`) and apply `--section.key value` overrides.
 
@@ -100,7 +126,7 @@ def load_config(path: str | Path | None = None, argv: list[str] | None = None) -
     """
     cli_path, overrides = parse_overrides(list(argv or []))
     path = Path(cli_path or path or DEFAULT_CONFIG)
-    data = read_yaml(path)
+    data = read_recipe(path.resolve() if path.exists() else path)
     for key, value in overrides:
         set_dotted(data, key, value)
     return config_from_dict(data, source=str(path))

@@ -1,0 +1,15 @@
+"""`build_callbacks(cfg, args)`: the monitors and guards a recipe config asks for, in hook order."""
+
+from __future__ import annotations
+
+
+def build_callbacks(cfg, args=None) -> list:
+    """Every hf_stable callback enabled by `cfg` (a RunConfig). Users with their own Trainer can call
+    this with a RunConfig, or instantiate the callbacks directly."""
+    callbacks: list = []
+    stability = cfg.stability
+    if stability.monitors.enabled:
+        from hf_stable.callbacks.monitors import build_monitors
+
+        callbacks += build_monitors(stability.monitors)
+    return callbacks

@@ -1,0 +1,104 @@
+"""Greedy exact-match evaluation on held-out prompts (the recipe's before/after check)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.strip().split())
+
+
+def exact_match(
+    model,
+    tokenizer,
+    records: Sequence[dict],
+    encode_prompt: Callable[[dict], list[int]],
+    reference: Callable[[dict], str],
+    *,
+    max_new_tokens: int = 32,
+    batch_size: int = 64,
+) -> dict:
+    """Generate greedily for each record and compare the answer (up to EOS) with the reference.
+
+    Prompts are left-padded for generation only; training batches stay right-padded.
+
+    Returns:
+        {"exact_match": fraction, "n": count, "by_family": {family: fraction}, "examples": first 5 triples}
+    """
+    import torch
+
+    was_training = model.training
+    model.eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    hits: list[bool] = []
+    per_family: dict[str, list[bool]] = defaultdict(list)
+    examples = []
+    try:
+        for start in range(0, len(records), batch_size):
+            chunk = records[start : start + batch_size]
+            prompts = [encode_prompt(r) for r in chunk]
+            width = max(len(p) for p in prompts)
+            ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(prompts), width), dtype=torch.long)
+            for i, p in enumerate(prompts):
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=pad,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
+            for rec, row in zip(chunk, out[:, width:].tolist()):
+                if tokenizer.eos_token_id in row:
+                    row = row[: row.index(tokenizer.eos_token_id)]
+                answer = tokenizer.decode(row, skip_special_tokens=True)
+                ok = _normalise(answer) == _normalise(reference(rec))
+                hits.append(ok)
+                per_family[str(rec.get("family", "all"))].append(ok)
+                if len(examples) < 5:
+                    examples.append({"reference": reference(rec), "generated": answer, "match": ok})
+    finally:
+        model.train(was_training)
+    n = len(hits)
+    return {
+        "exact_match": sum(hits) / n if n else float("nan"),
+        "n": n,
+        "by_family": {k: sum(v) / len(v) for k, v in sorted(per_family.items())},
+        "examples": examples,
+    }
+
+
+def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
+    """Eval loss over the eval set plus exact match on up to `eval_cfg.exact_match_samples` held-out prompts.
+
+    Exact match runs on the main process only (the answer is the same on every rank); other ranks get None.
+    """
+    from hf_stable.data import encode_prompt, reference_answer
+    from hf_stable.logging import is_main_process
+
+    out: dict = {}
+    if data.eval_dataset is not None:
+        metrics = trainer.evaluate(metric_key_prefix=f"eval_{prefix}")
+        out["eval_loss"] = metrics.get(f"eval_{prefix}_loss")
+    n = min(eval_cfg.exact_match_samples, len(data.eval_records))
+    if n and is_main_process():
+        template = getattr(data, "template", "auto")
+        em = exact_match(
+            trainer.model,
+            tokenizer,
+            data.eval_records[:n],
+            lambda r: encode_prompt(tokenizer, r, template),
+            reference_answer,
+            max_new_tokens=eval_cfg.max_new_tokens,
+            batch_size=eval_cfg.generation_batch_size,
+        )
+        out["exact_match"] = em["exact_match"]
+        out["exact_match_detail"] = em
+    return out

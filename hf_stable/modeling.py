@@ -1,0 +1,137 @@
+"""Load the base model and tokenizer (embedded tiny base, local dir or Hub id) and wrap it with LoRA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hf_stable.config import RunConfig
+from hf_stable.config.model import LoraSection, ModelConfig
+from hf_stable.errors import ModelError
+from hf_stable.logging import get_logger
+
+logger = get_logger(__name__)
+
+_LOCAL_PREFIXES = ("/", "./", "../", "~")
+
+
+def resolve_base(cfg: ModelConfig) -> str:
+    """Directory or Hub id to load. Builds the embedded base when asked; a local path must exist.
+
+    Raises:
+        ModelError: a path that looks local (or names an existing parent dir) does not exist.
+    """
+    if cfg.is_embedded:
+        from hf_stable.embedded.builder import ensure_base
+
+        return str(ensure_base(cfg.embedded_arch, cfg.embedded))
+    name = cfg.name_or_path
+    path = Path(name).expanduser()
+    if name.startswith(_LOCAL_PREFIXES) or path.exists() or name.count("/") > 1:
+        if not path.is_dir():
+            raise ModelError(
+                f"model.name_or_path: {name!r} does not exist (a local model directory was expected; "
+                "use a Hub id like 'Qwen/Qwen2.5-0.5B' or 'embedded:tiny-llama')"
+            )
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model.name_or_path: {path} has no config.json, so it is not a model directory")
+    return name
+
+
+def tokenizer_path(cfg: ModelConfig, base: str) -> str:
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    # Embedded bases keep the tokenizer in its own dir: AutoTokenizer on a Qwen2 model dir would pick
+    # Qwen2Tokenizer and change the digit tokenisation (STACK-FACTS).
+    sub = Path(base) / "tokenizer"
+    return str(sub) if sub.is_dir() else base
+
+
+def load_tokenizer(cfg: ModelConfig, base: str):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = tokenizer_path(cfg, base)
+    try:
+        if cfg.is_embedded:
+            tok = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    except OSError as e:
+        raise ModelError(f"model.tokenizer: cannot load a tokenizer from {path!r}: {e}") from None
+    if tok.pad_token is None:
+        # Llama-3 ships no pad token; our collator supervises EOS by position, so pad == eos is safe.
+        tok.pad_token = tok.eos_token
+        logger.info("tokenizer has no pad token: using eos %r as pad (EOS stays supervised)", tok.eos_token)
+    tok.padding_side = "right"
+    return tok
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_model(cfg: RunConfig, base: str):
+    """The base causal LM with the configured dtype and attention implementation."""
+    from transformers import AutoModelForCausalLM
+
+    attn = cfg.attention.implementation
+    if attn == "hf_stable":
+        from hf_stable.attention import register
+
+        register()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            base,
+            dtype=_torch_dtype(cfg.model.dtype),
+            attn_implementation=attn,
+            trust_remote_code=cfg.model.trust_remote_code,
+            revision=cfg.model.revision,
+        )
+    except OSError as e:
+        raise ModelError(f"model.name_or_path: cannot load {base!r}: {e}") from None
+    except ValueError as e:
+        if "attn_implementation" in str(e) or "attention" in str(e).lower():
+            raise ModelError(f"attention.implementation: {attn!r} rejected by transformers: {e}") from None
+        raise
+    return model
+
+
+def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool = False):
+    """Wrap `model` with a peft LoRA adapter (or return it unchanged for a full fine-tune).
+
+    Raises:
+        ModelError: `lora.target_modules` matches no module of the model.
+    """
+    if gradient_checkpointing:
+        # With frozen base weights the checkpointed blocks would see inputs that do not require grad.
+        model.enable_input_require_grads()
+    if not lora.enabled:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in lora.target_modules if t not in names]
+    if len(missing) == len(lora.target_modules):
+        sample = ", ".join(sorted(n for n in names if n and not n.isdigit())[:12])
+        raise ModelError(
+            f"lora.target_modules: {lora.target_modules} match no module of the model (module names include: {sample})"
+        )
+    if missing:
+        logger.warning("lora.target_modules: %s match nothing in this model; ignoring them", missing)
+    peft_cfg = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=[t for t in lora.target_modules if t not in missing],
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

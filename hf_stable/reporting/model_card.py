@@ -1,0 +1,84 @@
+"""The Hub-style model card (README.md) written into every run's output dir.
+
+Metadata via `huggingface_hub.ModelCardData`; the body is rendered from `model_cards/template.md`,
+with sections other parts of hf_stable contribute (data audit, optimizer groups, stability report).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "template.md"
+
+
+def _fmt(value, digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _versions() -> str:
+    import importlib.metadata as md
+
+    rows = []
+    for pkg in ("hf-stable", "torch", "transformers", "peft", "accelerate", "datasets"):
+        try:
+            rows.append(f"- {pkg} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            pass
+    return "\n".join(rows)
+
+
+def write_model_card(
+    output_dir: str | Path,
+    *,
+    config: dict,
+    summary: dict,
+    base_model: str,
+    plot_path: str | None = None,
+    data_section: str = "",
+    optimizer_section: str = "",
+    stability_section: str = "",
+    tags: list[str] | None = None,
+) -> Path:
+    """Render README.md into `output_dir` and return its path."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    data_cfg = config.get("data", {})
+    datasets = [Path(p).parent.name or p for p in (data_cfg.get("train_file"),) if p]
+    card_data = ModelCardData(
+        base_model=base_model,
+        library_name="peft",
+        pipeline_tag="text-generation",
+        tags=["hf_stable", "lora", "peft", "text-generation", *(tags or [])],
+        datasets=datasets,
+    )
+    card = ModelCard.from_template(
+        card_data,
+        template_path=str(TEMPLATE),
+        model_name=Path(output_dir).name,
+        base_model=base_model,
+        eval_loss_before=_fmt(summary.get("eval_loss_before")),
+        eval_loss_after=_fmt(summary.get("eval_loss_after")),
+        exact_match_before=_fmt(summary.get("exact_match_before"), 3),
+        exact_match_after=_fmt(summary.get("exact_match_after"), 3),
+        train_steps=summary.get("train_steps"),
+        wall_seconds=_fmt(summary.get("wall_seconds"), 1),
+        n_trainable=f"{summary.get('n_trainable_parameters', 0):,}",
+        n_total=f"{summary.get('n_parameters', 0):,}",
+        plot_path=plot_path,
+        train_file=data_cfg.get("train_file"),
+        eval_file=data_cfg.get("eval_file"),
+        data_section=data_section or "No data audit was run.",
+        optimizer_section=optimizer_section,
+        stability_section=stability_section or "No stability events were recorded.",
+        config_yaml=yaml.safe_dump(config, sort_keys=False, allow_unicode=True).strip(),
+        versions=_versions(),
+    )
+    path = Path(output_dir) / "README.md"
+    card.save(path)
+    return path

@@ -1,0 +1,38 @@
+"""Everything written at the end of a run besides the adapter: plots, stability report, model card."""
+
+from __future__ import annotations
+
+from hf_stable.outputs import OutputDir
+
+
+def optimizer_markdown(table: list[dict]) -> str:
+    if not table:
+        return ""
+    rows = ["| group | tensors | parameters | lr | weight decay |", "|---|---:|---:|---:|---:|"]
+    for r in table:
+        rows.append(f"| {r['name']} | {r['tensors']} | {r['parameters']:,} | {r['lr']:.3g} | {r['weight_decay']:g} |")
+    return "\n".join(rows)
+
+
+def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=None, optimizer_table=None) -> None:
+    """Write the loss/LR plot, the stability report and the model card into the run's output dir."""
+    from hf_stable.reporting.model_card import write_model_card
+    from hf_stable.reporting.plots import plot_loss_lr
+    from hf_stable.reporting.report import render_report
+
+    plot = plot_loss_lr(trainer.state.log_history, output.path / "plots" / "loss_lr.png", title="loss and learning rate")
+    data_md = ""
+    if data is not None and getattr(data, "audit", None):
+        from hf_stable.data.audit import audit_markdown
+
+        data_md = audit_markdown(data.audit)
+    write_model_card(
+        output.path,
+        config=cfg.to_dict(),
+        summary=summary,
+        base_model=cfg.model.name_or_path,
+        plot_path="plots/loss_lr.png" if plot else None,
+        data_section=data_md,
+        optimizer_section=optimizer_markdown(optimizer_table or []),
+        stability_section=render_report(output.path),
+    )

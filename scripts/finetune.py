@@ -1,0 +1,107 @@
+"""LoRA fine-tuning recipe: config → model → data → optimizer → callbacks → Trainer → adapter + model card.
+
+    accelerate launch scripts/finetune.py                                   # embedded default (CPU, offline)
+    accelerate launch scripts/finetune.py --config configs/qwen2.5-7b-lora.yaml --training.learning_rate 1e-4
+
+Every step below is one call into hf_stable; the library holds the logic, this file holds the order.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from transformers import Trainer  # noqa: E402
+
+from hf_stable.callbacks import build_callbacks  # noqa: E402
+from hf_stable.config import load_config, training_arguments  # noqa: E402
+from hf_stable.data import build_data  # noqa: E402
+from hf_stable.evaluation import evaluate_run  # noqa: E402
+from hf_stable.logging import get_logger, is_main_process, print_main  # noqa: E402
+from hf_stable.modeling import apply_lora, count_parameters, load_model, load_tokenizer, resolve_base  # noqa: E402
+from hf_stable.optim import build_optimizer, format_group_table, group_table  # noqa: E402
+from hf_stable.outputs import OutputDir, error_boundary  # noqa: E402
+from hf_stable.reporting import finalize_outputs  # noqa: E402
+
+logger = get_logger("finetune")
+
+
+def main(argv: list[str]) -> None:
+    started = time.time()
+    with error_boundary():
+        cfg = load_config(argv=argv)
+        args = training_arguments(cfg)
+    output = OutputDir(args.output_dir)
+    with error_boundary(output):
+        output.start(cfg.to_dict())
+        logger.info("config %s -> output dir %s", cfg.source, args.output_dir)
+
+        # 1. base model, tokenizer, LoRA
+        base = resolve_base(cfg.model)
+        tokenizer = load_tokenizer(cfg.model, base)
+        model = load_model(cfg, base)
+        model = apply_lora(model, cfg.lora, gradient_checkpointing=args.gradient_checkpointing)
+        n_trainable, n_total = count_parameters(model)
+        logger.info("model %s: %d trainable of %d parameters", cfg.model.name_or_path, n_trainable, n_total)
+
+        # 2. data: load, clean, tokenize, audit
+        data = build_data(cfg.data, tokenizer, seed=args.seed, output_dir=args.output_dir)
+
+        # 3. optimizer groups (layer-wise LR, no-decay groups, LoRA+)
+        optimizer = build_optimizer(model, cfg.optim, args)
+        table = group_table(optimizer)
+        output.write_json("optimizer_groups.json", table)
+        print_main(format_group_table(table))
+
+        # 4. stability callbacks and the Trainer
+        callbacks = build_callbacks(cfg, args)
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=data.train_dataset,
+            eval_dataset=data.eval_dataset,
+            data_collator=data.collator,
+            processing_class=tokenizer,
+            optimizers=(optimizer, None),
+            callbacks=callbacks,
+        )
+
+        # 5. evaluate, train, evaluate
+        before = evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="before") if cfg.evaluation.before else {}
+        train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        after = evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="after")
+
+        # 6. adapter, tokenizer, state, plots, model card, summary
+        trainer.save_model(args.output_dir)
+        trainer.save_state()
+        if is_main_process():
+            tokenizer.save_pretrained(args.output_dir)
+        summary = {
+            "base_model": cfg.model.name_or_path,
+            "eval_loss_before": before.get("eval_loss"),
+            "eval_loss_after": after.get("eval_loss"),
+            "exact_match_before": before.get("exact_match"),
+            "exact_match_after": after.get("exact_match"),
+            "train_steps": trainer.state.global_step,
+            "train_loss": train_result.training_loss,
+            "wall_seconds": round(time.time() - started, 1),
+            "n_trainable_parameters": n_trainable,
+            "n_parameters": n_total,
+            "exact_match_detail": {"before": before.get("exact_match_detail"), "after": after.get("exact_match_detail")},
+        }
+        if is_main_process():
+            finalize_outputs(output, cfg, trainer, summary, data=data, optimizer_table=table)
+        output.finish(summary)
+        print_main(
+            f"\ndone in {summary['wall_seconds']}s, {summary['train_steps']} steps: "
+            f"eval loss {summary['eval_loss_before']} -> {summary['eval_loss_after']}, "
+            f"exact match {summary['exact_match_before']} -> {summary['exact_match_after']}\n"
+            f"output: {os.path.abspath(args.output_dir)}"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

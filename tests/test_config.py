@@ -1,0 +1,102 @@
+"""Config loading: typed sections, dotted overrides, extends, and one ConfigError listing every problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hf_stable.config import load_config, training_arguments
+from hf_stable.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def test_default_loads_with_typed_sections():
+    cfg = load_config()
+    assert cfg.model.is_embedded and cfg.model.embedded_arch == "llama"
+    assert isinstance(cfg.lora.r, int) and isinstance(cfg.training["learning_rate"], float)
+    assert cfg.source.endswith("default.yaml")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    args = training_arguments(cfg, use_cpu=True)  # builds TrainingArguments; downloads nothing
+    assert args.output_dir and args.learning_rate > 0
+    text = path.read_text().splitlines()
+    assert text[0].startswith("#") and any("Launch:" in line for line in text[:4]), "YAML must open with purpose + launch"
+
+
+def test_dotted_overrides_are_typed(tmp_path):
+    cfg = load_config(
+        argv=["--training.learning_rate", "1e-4", "--lora.r=8", "--data.packing", "false", "--lora.target_modules", "[q_proj]"]
+    )
+    assert cfg.training["learning_rate"] == pytest.approx(1e-4)
+    assert cfg.lora.r == 8 and cfg.data.packing is False and cfg.lora.target_modules == ["q_proj"]
+
+
+def test_yaml_1e_minus_4_without_dot_is_a_float(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("# t\ntraining:\n  learning_rate: 1e-4\nlora:\n  alpha: 1e1\n")
+    cfg = load_config(p)
+    assert cfg.training["learning_rate"] == pytest.approx(1e-4) and cfg.lora.alpha == 10.0
+
+
+def test_all_problems_reported_at_once(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(
+        "model:\n  name_or_path: embedded:tiny-gpt\nlora:\n  r: x\n  dropout: 1.5\n"
+        "data:\n  packing: maybe\nfoo: 1\ntraining:\n  learning_rat: 0.1\n  num_train_epochs: many\n"
+    )
+    with pytest.raises(ConfigError) as exc:
+        load_config(p)
+    msg = str(exc.value)
+    assert len(exc.value.problems) == 7, msg
+    for needle in (
+        "model.name_or_path: got 'embedded:tiny-gpt'",
+        "lora.r: got 'x', expected an integer",
+        "lora.dropout: got 1.5",  # a rule from the section's validate()
+        "data.packing: got 'maybe'",
+        "foo: unknown key",
+        "training.learning_rat: not a TrainingArguments field (did you mean learning_rate?)",
+        "training.num_train_epochs: got 'many'",
+    ):
+        assert needle in msg, f"missing {needle!r} in\n{msg}"
+    assert str(p) in msg
+
+
+def test_literal_choices_are_listed():
+    with pytest.raises(ConfigError, match=r"data.on_bad_record: got 'ignore', allowed: one of 'error', 'skip'"):
+        load_config(argv=["--data.on_bad_record", "ignore"])
+
+
+def test_missing_file_and_invalid_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name_or_path: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: invalid YAML"):
+        load_config(bad)
+
+
+def test_extends_deep_merges_and_detects_cycles(tmp_path):
+    (tmp_path / "a.yaml").write_text("lora:\n  r: 4\n  alpha: 8\ntraining:\n  seed: 1\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\nlora:\n  r: 2\n")
+    cfg = load_config(tmp_path / "b.yaml")
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.training["seed"]) == (2, 8.0, 1)
+    (tmp_path / "c.yaml").write_text("extends: d.yaml\n")
+    (tmp_path / "d.yaml").write_text("extends: c.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_bad_training_value_names_training(tmp_path):
+    cfg = load_config(argv=["--training.lr_scheduler_type", "zigzag"])
+    with pytest.raises(ConfigError, match="training: TrainingArguments rejected"):
+        training_arguments(cfg)
+
+
+def test_cli_unknown_argument():
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        load_config(argv=["positional"])
