@@ -101,4 +101,11 @@ def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
         )
         out["exact_match"] = em["exact_match"]
         out["exact_match_detail"] = em
+    if is_main_process():
+        from hf_stable.logging import get_logger
+
+        get_logger(__name__).info(
+            "%s: eval loss %s, exact match %s on %d prompts %s",
+            prefix, out.get("eval_loss"), out.get("exact_match"), n, (out.get("exact_match_detail") or {}).get("by_family"),
+        )
     return out

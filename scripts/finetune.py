@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
     started = time.time()
     with error_boundary():
         cfg = load_config(argv=argv)
-        args = training_arguments(cfg)
+        args = training_arguments(cfg, remove_unused_columns=False)
     output = OutputDir(args.output_dir)
     with error_boundary(output):
         output.start(cfg.to_dict())

@@ -1,0 +1,139 @@
+"""Build the optimizer (AdamW, Lion, SGD) over `param_groups`, with the fp16 eps guard.
+
+The recipe hands the result to the Trainer as `optimizers=(optimizer, None)`: the Trainer still builds the
+scheduler, and its LambdaLR scales each group from the group's own LR. Under FSDP the Trainer refuses a prebuilt
+optimizer; `trainer_optimizer_factory` gives the `optimizer_cls_and_kwargs=` form, which the Trainer calls on the
+wrapped model instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import torch
+
+from hf_stable.config.optim import OptimConfig
+from hf_stable.errors import ConfigError
+from hf_stable.optim.groups import BaseHyperparameters, check_config, param_groups, resolve_hyperparameters
+
+
+def guarded_eps(cfg: OptimConfig, hp: BaseHyperparameters) -> float:
+    """AdamW eps after the fp16 guard.
+
+    eps 1e-8 is not representable in fp16 (smallest subnormal ~6e-8), so `sqrt(v) + eps` no longer protects the
+    division when the optimizer state is half precision (fp16 weights). Under AMP (`training.fp16` with fp32
+    master weights) the state is fp32 and 1e-8 is harmless; the guard still applies there because it costs
+    nothing measurable and protects runs that later move to pure fp16 weights. `optim.fp16_eps_guard: off`
+    disables it.
+
+    Raises:
+        ConfigError: when `optim.fp16_eps_guard` is "error" and the eps is too small.
+    """
+    if not hp.fp16 or cfg.fp16_eps_guard == "off" or hp.eps >= cfg.fp16_eps_min:
+        return hp.eps
+    what = f"training.adam_epsilon: got {hp.eps}, below optim.fp16_eps_min ({cfg.fp16_eps_min}) under fp16"
+    if cfg.fp16_eps_guard == "error":
+        raise ConfigError(
+            f"{what}; set training.adam_epsilon >= {cfg.fp16_eps_min} or optim.fp16_eps_guard: clamp"
+        )
+    if cfg.fp16_eps_guard == "warn":
+        warnings.warn(f"{what}; keeping it (optim.fp16_eps_guard: warn)", stacklevel=3)
+        return hp.eps
+    warnings.warn(f"{what}; using eps={cfg.fp16_eps_min} (optim.fp16_eps_guard: clamp)", stacklevel=3)
+    return cfg.fp16_eps_min
+
+
+def _adamw_kernel(cfg: OptimConfig, groups: list[dict]) -> dict:
+    if cfg.adamw_impl == "fused":
+        return {"fused": True}
+    if cfg.adamw_impl == "foreach":
+        return {"foreach": True}
+    if cfg.adamw_impl == "for_loop":
+        return {"foreach": False}
+    # auto: fused when the run will be on CUDA (the Trainer moves the model after we build, and parameters keep
+    # their identity when moved). Elsewhere PyTorch's own default is already the right choice.
+    floats = all(p.is_floating_point() for g in groups for p in g["params"])
+    return {"fused": True} if torch.cuda.is_available() and floats else {}
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    cfg: OptimConfig | None = None,
+    args=None,
+    *,
+    lr: float | None = None,
+    weight_decay: float | None = None,
+    betas: tuple[float, float] | None = None,
+    eps: float | None = None,
+    fp16: bool | None = None,
+) -> torch.optim.Optimizer:
+    """Build the optimizer named by `cfg.name` over `param_groups(model, cfg, args)`.
+
+    Args:
+        model: the model to train (PEFT-wrapped or plain).
+        cfg: the `optim:` section (defaults: `OptimConfig()`).
+        args: `transformers.TrainingArguments`: learning_rate, weight_decay, adam_beta1/2, adam_epsilon, fp16.
+        lr, weight_decay, betas, eps, fp16: explicit values for users without TrainingArguments (win over `args`).
+
+    Raises:
+        ConfigError: every bad value at once (LR <= 0, decay outside (0, 1], ratio <= 0, fp16 eps with guard "error").
+
+    Example:
+        >>> optimizer = build_optimizer(model, OptimConfig(name="adamw"), training_args)
+        >>> trainer = Trainer(model=model, args=training_args, optimizers=(optimizer, None), ...)
+    """
+    cfg = cfg or OptimConfig()
+    hp = resolve_hyperparameters(args, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fp16=fp16)
+    check_config(cfg, hp)
+    groups = param_groups(model, cfg, lr=hp.lr, weight_decay=hp.weight_decay)
+    if any(p.dtype == torch.float16 for g in groups for p in g["params"]):  # pure fp16 weights: the real danger
+        hp = dataclasses.replace(hp, fp16=True)
+
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(
+            groups,
+            lr=hp.lr,
+            betas=hp.betas,
+            eps=guarded_eps(cfg, hp),
+            weight_decay=hp.weight_decay,
+            **_adamw_kernel(cfg, groups),
+        )
+    if cfg.name == "lion":
+        from lion_pytorch import Lion
+
+        # lion-pytorch's decay is `p *= 1 - lr * wd`, i.e. decoupled and scaled by each group's LR like AdamW's.
+        return Lion(groups, lr=hp.lr, betas=tuple(cfg.lion_betas), weight_decay=hp.weight_decay)
+    if cfg.name == "sgd":
+        # SGD's weight_decay is L2 (added to the gradient): the same as decoupled decay for plain SGD, close to it
+        # with momentum.
+        return torch.optim.SGD(
+            groups,
+            lr=hp.lr,
+            momentum=cfg.sgd_momentum,
+            nesterov=cfg.sgd_nesterov and cfg.sgd_momentum > 0,
+            weight_decay=hp.weight_decay,
+        )
+    raise ConfigError(f"optim.name: got {cfg.name!r}, allowed: 'adamw', 'lion', 'sgd'")
+
+
+class OptimizerFactory:
+    """A Trainer optimizer factory: `Trainer(optimizer_cls_and_kwargs=trainer_optimizer_factory(cfg, args))`.
+
+    The Trainer calls `OptimizerFactory()` then `(model)` on the model it will train (after FSDP wrapping), which
+    is the only way to bring custom groups under FSDP, where `optimizers=(opt, None)` is refused.
+    """
+
+    def __init__(self, cfg: OptimConfig | None, args, overrides: dict | None = None):
+        self.cfg = cfg
+        self.args = args
+        self.overrides = overrides or {}
+
+    def __call__(self, model: torch.nn.Module, **kwargs) -> torch.optim.Optimizer:
+        return build_optimizer(model, self.cfg, self.args, **{**self.overrides, **kwargs})
+
+
+def trainer_optimizer_factory(cfg: OptimConfig | None, args, **overrides) -> tuple:
+    """`(factory, {})` for `Trainer(optimizer_cls_and_kwargs=...)`; see `OptimizerFactory`."""
+    return functools.partial(OptimizerFactory, cfg, args, overrides), {}

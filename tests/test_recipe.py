@@ -1,0 +1,167 @@
+"""End to end: scripts/finetune.py on tiny embedded Llama / Qwen2 / Qwen3 bases, outputs, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "finetune.py"
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_overrides(tmp: Path, arch: str = "llama", steps: int = 6, n_train: int = 96) -> list[str]:
+    """A seconds-long version of the default recipe: small base, few records, few steps."""
+    data = tmp / "data"
+    data.mkdir(exist_ok=True)
+    train = (ROOT / "data/embedded/train.jsonl").read_text(encoding="utf-8").split("\n")[:n_train]
+    (data / "train.jsonl").write_text("\n".join(train) + "\n", encoding="utf-8")
+    held = (ROOT / "data/embedded/eval.jsonl").read_text(encoding="utf-8").split("\n")[:16]
+    (data / "eval.jsonl").write_text("\n".join(held) + "\n", encoding="utf-8")
+    return [
+        "--model.name_or_path", f"embedded:tiny-{arch}",
+        "--model.embedded.hidden_size", "64", "--model.embedded.intermediate_size", "128",
+        "--model.embedded.num_hidden_layers", "2", "--model.embedded.vocab_size", "512",
+        "--model.embedded.pretrain_steps", "20", "--model.embedded.pretrain_batch_size", "8",
+        "--model.embedded.cache_dir", str(tmp.parent / "bases"),
+        "--data.train_file", str(data / "train.jsonl"), "--data.eval_file", str(data / "eval.jsonl"),
+        "--evaluation.exact_match_samples", "8", "--evaluation.max_new_tokens", "8",
+        "--training.max_steps", str(steps), "--training.logging_steps", "2",
+        "--training.per_device_train_batch_size", "8",
+        "--training.output_dir", str(tmp / "out"),
+    ]
+
+
+def run_recipe(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llama")
+    proc = run_recipe(tiny_overrides(tmp, "llama"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return tmp / "out", proc
+
+
+def test_outputs_are_complete(llama_run):
+    out, proc = llama_run
+    for name in (
+        "adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "trainer_state.json",
+        "resolved_config.yaml", "run_summary.json", "README.md", "optimizer_groups.json",
+    ):
+        assert (out / name).is_file(), f"missing {name}"
+    assert not (out / "RUN_INCOMPLETE.json").exists()
+    summary = json.loads((out / "run_summary.json").read_text())
+    for key in ("eval_loss_before", "eval_loss_after", "exact_match_before", "exact_match_after", "wall_seconds"):
+        assert summary[key] is not None, key
+    assert summary["train_steps"] == 6
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    assert str(out.resolve()) in proc.stdout
+
+
+def test_model_card_has_metadata_and_plot(llama_run):
+    from huggingface_hub import ModelCard
+
+    out, _ = llama_run
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "peft"
+    assert card.data.base_model == "embedded:tiny-llama"
+    assert "hf_stable" in card.data.tags
+    assert "![loss and learning rate](plots/loss_lr.png)" in card.text
+    png = out / "plots" / "loss_lr.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _base_and_inputs(out: Path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    summary_cfg = (out / "resolved_config.yaml").read_text()
+    assert "tiny-llama" in summary_cfg
+    adapter_cfg = json.loads((out / "adapter_config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(adapter_cfg["base_model_name_or_path"])
+    tok = PreTrainedTokenizerFast.from_pretrained(out)
+    ids = tok(["What is 3 + 4?", "把 3 千米换算成米。"], return_tensors="pt", padding=True)
+    return base, PeftModel, ids
+
+
+def test_adapter_reload_gives_identical_logits_and_merge_matches(llama_run):
+    out, _ = llama_run
+    base, PeftModel, ids = _base_and_inputs(out)
+    with torch.no_grad():
+        base_logits = base(**ids).logits.clone()
+        model = PeftModel.from_pretrained(base, out)
+        model.eval()
+        adapted = model(**ids).logits
+        again = model(**ids).logits
+        assert torch.equal(adapted, again)
+        assert not torch.allclose(adapted, base_logits), "the adapter changed nothing"
+        merged = model.merge_and_unload()
+        merged_logits = merged(**ids).logits
+    torch.testing.assert_close(merged_logits, adapted, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_recipe_runs_on_qwen_bases(tmp_path, arch):
+    proc = run_recipe(tiny_overrides(tmp_path, arch, steps=4, n_train=48))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["base_model"] == f"embedded:tiny-{arch}" and summary["train_steps"] == 4
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+# ---- bad input: one clear message, exit code != 0, no traceback, nothing that looks finished ----------
+
+
+def _assert_clean_failure(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in proc.stderr, f"{needle!r} not in:\n{proc.stderr[-3000:]}"
+
+
+def test_missing_config_file(tmp_path):
+    proc = run_recipe(["--config", str(tmp_path / "nope.yaml")])
+    _assert_clean_failure(proc, "config file not found", "nope.yaml")
+
+
+def test_missing_data_file(tmp_path):
+    args = tiny_overrides(tmp_path) + ["--data.train_file", str(tmp_path / "missing.jsonl")]
+    proc = run_recipe(args)
+    _assert_clean_failure(proc, "missing.jsonl", "data.train_file")
+    out = tmp_path / "out"
+    assert not (out / "run_summary.json").exists() and not (out / "README.md").exists()
+    assert json.loads((out / "RUN_INCOMPLETE.json").read_text())["status"] == "failed"
+
+
+def test_malformed_jsonl_line_and_missing_field(tmp_path):
+    args = tiny_overrides(tmp_path)
+    bad = tmp_path / "bad.jsonl"
+    lines = (tmp_path / "data" / "train.jsonl").read_text(encoding="utf-8").split("\n")[:5]
+    lines[2] = '{"instruction": "broken", "input": ""'  # line 3: malformed JSON
+    bad.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _assert_clean_failure(run_recipe(args + ["--data.train_file", str(bad)]), f"{bad}:3")
+    lines[2] = '{"instruction": "no output here", "input": ""}'  # line 3: missing field
+    bad.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _assert_clean_failure(run_recipe(args + ["--data.train_file", str(bad)]), f"{bad}:3", "output")
+
+
+def test_model_path_that_does_not_exist(tmp_path):
+    args = tiny_overrides(tmp_path) + ["--model.name_or_path", str(tmp_path / "no_model")]
+    _assert_clean_failure(run_recipe(args), "model.name_or_path", "no_model", "does not exist")
+
+
+def test_bad_config_value_lists_every_problem(tmp_path):
+    proc = run_recipe(["--lora.r", "zero", "--training.learning_rat", "1"])
+    _assert_clean_failure(proc, "2 configuration problem(s)", "lora.r", "training.learning_rat")
