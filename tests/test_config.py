@@ -100,3 +100,10 @@ def test_bad_training_value_names_training(tmp_path):
 def test_cli_unknown_argument():
     with pytest.raises(ConfigError, match="unexpected argument"):
         load_config(argv=["positional"])
+
+
+def test_config_reference_doc_is_current():
+    from hf_stable.config.reference import render
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
+    assert doc.read_text(encoding="utf-8") == render(), "regenerate: python -m hf_stable.config.reference > docs/CONFIG.md"
