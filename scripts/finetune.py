@@ -48,7 +48,14 @@ def main(argv: list[str]) -> None:
         logger.info("model %s: %d trainable of %d parameters", cfg.model.name_or_path, n_trainable, n_total)
 
         # 2. data: load, clean, tokenize, audit
-        data = build_data(cfg.data, tokenizer, seed=args.seed, output_dir=args.output_dir)
+        data = build_data(
+            cfg.data,
+            tokenizer,
+            seed=args.seed,
+            output_dir=args.output_dir,
+            batch_size=args.per_device_train_batch_size,
+            vocab_size=model.get_input_embeddings().num_embeddings,
+        )
 
         # 3. optimizer groups (layer-wise LR, no-decay groups, LoRA+)
         optimizer = build_optimizer(model, cfg.optim, args)

@@ -22,6 +22,13 @@ class DataConfig:
     max_length: int = field(default=256, metadata={"help": "Max tokens per sample (prompt + response + EOS)."})
     packing: bool = field(default=True, metadata={"help": "Padding-free packing with per-sample position_ids."})
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad padded batches to a multiple."})
+    packing_row_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Packed rows hold at most this many tokens (balanced rows); null = max_length; 0 = the whole "
+            "batch in one row (best with flash-attn varlen; with sdpa/eager attention cost grows with row length²)."
+        },
+    )
     clean: bool = field(default=True, metadata={"help": "Remove zero-width/control characters and NFC-normalise."})
     on_bad_record: Literal["error", "skip"] = field(
         default="error", metadata={"help": "Malformed record: stop with file:line, or skip and count it."}
@@ -30,6 +37,12 @@ class DataConfig:
         default="auto", metadata={"help": "Prompt format: the tokenizer's chat template when it has one, or alpaca."}
     )
     audit: bool = field(default=True, metadata={"help": "Run the data audit before training (saved in output)."})
+    padding_alert: float = field(
+        default=0.75, metadata={"help": "Audit alert when padding tokens exceed this fraction of batch tokens."}
+    )
+    near_duplicate_threshold: float = field(
+        default=0.8, metadata={"help": "Audit: records with estimated Jaccard similarity >= this are near-duplicates."}
+    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -37,6 +50,12 @@ class DataConfig:
             problems.append(f"max_length: got {self.max_length}, must be >= 8")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             problems.append(f"pad_to_multiple_of: got {self.pad_to_multiple_of}, must be > 0 or null")
+        if self.packing_row_tokens is not None and self.packing_row_tokens < 0:
+            problems.append(f"packing_row_tokens: got {self.packing_row_tokens}, must be >= 0 or null")
+        if not 0.0 < self.padding_alert <= 1.0:
+            problems.append(f"padding_alert: got {self.padding_alert}, must be in (0, 1]")
+        if not 0.0 < self.near_duplicate_threshold <= 1.0:
+            problems.append(f"near_duplicate_threshold: got {self.near_duplicate_threshold}, must be in (0, 1]")
         if not self.train_file:
             problems.append("train_file: empty, name a JSONL file")
         return problems

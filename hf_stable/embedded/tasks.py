@@ -19,10 +19,13 @@ ZH_WORDS = "苹果 香蕉 河流 石头 白云 绿色 阳光 纸张 音乐 桌�
 
 EN_POS = "love great wonderful happy excellent enjoy delightful amazing brilliant pleasant".split()
 EN_NEG = "hate awful terrible sad boring dislike horrible painful dreadful annoying".split()
-EN_SUBJ = "this movie|the food|my new phone|the weather|that book|the concert|our hotel|the game".split("|")
+EN_SUBJ = (
+    "this movie|the food|my new phone|the weather|that book|the concert|our hotel|the game|this song|the trip|"
+    "the new app|her painting|the lecture|this coffee|the service|that show"
+).split("|")
 ZH_POS = "喜欢 很好 精彩 开心 满意 优秀 美好 愉快".split()
 ZH_NEG = "讨厌 很差 无聊 难过 失望 糟糕 痛苦 烦人".split()
-ZH_SUBJ = "这部电影 这家餐厅 我的新手机 今天的天气 那本书 这场音乐会 这家酒店 这个游戏".split()
+ZH_SUBJ = "这部电影 这家餐厅 我的新手机 今天的天气 那本书 这场音乐会 这家酒店 这个游戏 这首歌 这次旅行 这个软件 这门课".split()
 
 UNITS_EN = [("km", "m", 1000), ("kg", "g", 1000), ("m", "cm", 100), ("hours", "minutes", 60), ("L", "mL", 1000)]
 UNITS_ZH = [("千米", "米", 1000), ("千克", "克", 1000), ("米", "厘米", 100), ("小时", "分钟", 60), ("升", "毫升", 1000)]
@@ -31,7 +34,7 @@ Example = dict  # {"family", "lang", "instruction", "input", "output", "fact"}
 
 
 def _arith(rng: random.Random, lang: str) -> Example:
-    a, b = rng.randint(1, 49), rng.randint(1, 49)
+    a, b = rng.randint(1, 99), rng.randint(1, 99)
     if lang == "en":
         return {"instruction": f"What is {a} + {b}?", "input": "", "output": str(a + b), "fact": f"{a} + {b} = {a + b}."}
     return {"instruction": f"计算 {a} 加 {b} 等于多少？", "input": "", "output": str(a + b), "fact": f"{a} 加 {b} 等于 {a + b}。"}
@@ -39,14 +42,14 @@ def _arith(rng: random.Random, lang: str) -> Example:
 
 def _reverse(rng: random.Random, lang: str) -> Example:
     if lang == "en":
-        w = rng.choice(EN_WORDS)
+        w = rng.choice(EN_WORDS) if rng.random() < 0.3 else rng.choice(EN_WORDS) + rng.choice(EN_WORDS)[:3]
         return {"instruction": "Reverse the letters of the word.", "input": w, "output": w[::-1], "fact": f"{w} reversed is {w[::-1]}."}
     w = rng.choice(ZH_WORDS) + rng.choice(ZH_WORDS)
     return {"instruction": "把下面的词语倒过来写。", "input": w, "output": w[::-1], "fact": f"{w} 倒过来是 {w[::-1]}。"}
 
 
 def _convert(rng: random.Random, lang: str) -> Example:
-    n = rng.randint(1, 9)
+    n = rng.randint(1, 99)
     if lang == "en":
         src, dst, k = rng.choice(UNITS_EN)
         out = f"{n * k} {dst}"
@@ -60,11 +63,15 @@ def _sentiment(rng: random.Random, lang: str) -> Example:
     positive = rng.random() < 0.5
     if lang == "en":
         word = rng.choice(EN_POS if positive else EN_NEG)
-        text = f"I {word} {rng.choice(EN_SUBJ)}" if word in ("love", "hate", "enjoy", "dislike") else f"{rng.choice(EN_SUBJ).capitalize()} is {word}"
+        adverb = rng.choice(("", "really ", "truly ", "so "))
+        if word in ("love", "hate", "enjoy", "dislike"):
+            text = f"I {adverb}{word} {rng.choice(EN_SUBJ)}"
+        else:
+            text = f"{rng.choice(EN_SUBJ).capitalize()} is {adverb.replace('truly ', 'very ')}{word}"
         label = "positive" if positive else "negative"
         return {"instruction": "Classify the sentiment as positive or negative.", "input": text, "output": label, "fact": f"\"{text}\" is {label}."}
     word = rng.choice(ZH_POS if positive else ZH_NEG)
-    text = f"{rng.choice(ZH_SUBJ)}让人觉得{word}"
+    text = f"{rng.choice(ZH_SUBJ)}{rng.choice(('让人觉得', '真的', '实在', '总是'))}{word}"
     label = "正面" if positive else "负面"
     return {"instruction": "判断这句话的情感是正面还是负面。", "input": text, "output": label, "fact": f"“{text}”是{label}的。"}
 
@@ -119,8 +126,10 @@ def instruction_dataset(seed: int, n_train: int = 2000, n_eval: int = 200) -> tu
     train_rows: list[dict] = []
     while len(train_rows) < n_train:
         ex = sample(rng)
-        if (ex["instruction"], ex["input"]) in seen:
+        key = (ex["instruction"], ex["input"])
+        if key in seen:  # held out, or already in train: no exact duplicates
             continue
+        seen.add(key)
         ex = _dirty(ex, rng)
         # most outputs end with a newline; ~1 in 10 does not (a dirty case the collator must handle)
         if rng.random() < 0.9:

@@ -1,0 +1,28 @@
+"""Data pipeline: JSONL → cleaned, tokenized, labelled samples → padded or packed batches, plus the audit."""
+
+from hf_stable.data.audit import audit_dataset, audit_markdown
+from hf_stable.data.bundle import AUDIT_FILE, DataBundle, build_data
+from hf_stable.data.cleaning import clean_text
+from hf_stable.data.collators import PackingCollator, PaddingCollator
+from hf_stable.data.prompts import encode_prompt, prompt_text, reference_answer, resolve_template
+from hf_stable.data.records import read_records
+from hf_stable.data.samples import IGNORE_INDEX, build_sample, encode_records
+
+__all__ = [
+    "AUDIT_FILE",
+    "DataBundle",
+    "IGNORE_INDEX",
+    "PackingCollator",
+    "PaddingCollator",
+    "audit_dataset",
+    "audit_markdown",
+    "build_data",
+    "build_sample",
+    "clean_text",
+    "encode_prompt",
+    "encode_records",
+    "prompt_text",
+    "read_records",
+    "reference_answer",
+    "resolve_template",
+]

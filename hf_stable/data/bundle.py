@@ -1,0 +1,162 @@
+"""`build_data`: from a `DataConfig` and a tokenizer to everything the Trainer needs.
+
+The recipe calls this once; it reads and checks the JSONL files (``records.py``), cleans them
+(``cleaning.py``), builds prompts and labels (``prompts.py``, ``samples.py``), wraps the samples in
+``datasets.Dataset`` objects, picks the collators (``collators.py``) and audits the result
+(``audit.py``), writing ``data_audit.json`` into the output dir when one is given.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hf_stable.data.audit import packing_row_tokens, summarize
+from hf_stable.data.collators import PackingCollator, PaddingCollator
+from hf_stable.data.prompts import eos_id, resolve_template
+from hf_stable.data.records import read_records
+from hf_stable.data.samples import encode_records
+from hf_stable.errors import DataError
+from hf_stable.logging import get_logger, is_main_process
+
+logger = get_logger(__name__)
+
+AUDIT_FILE = "data_audit.json"
+
+
+@dataclass
+class DataBundle:
+    """Datasets, collators and reports of one run.
+
+    Attributes:
+        train_dataset: ``datasets.Dataset`` with ``input_ids`` and ``labels`` (use ``remove_unused_columns=False``).
+        eval_dataset: the same for ``data.eval_file``, or None.
+        collator: packing collator when ``data.packing`` else padding collator (the Trainer's ``data_collator``).
+        eval_collator: right-padding collator (evaluation batches).
+        eval_records: cleaned eval records (extra keys kept) for exact-match generation with
+            `encode_prompt` / `reference_answer`.
+        audit: ``{"train": audit dict, "eval": audit dict or None}`` (empty when ``data.audit`` is off).
+        stats: ``{"train": {...}, "eval": {...}}`` counts read / cleaned / kept / dropped by reason.
+        template: the prompt template in use (``"chat_template"`` or ``"alpaca"``).
+        format: the record format of the train file (``"alpaca"`` or ``"chat"``).
+    """
+
+    train_dataset: Any
+    eval_dataset: Any
+    collator: Any
+    eval_collator: Any
+    eval_records: list[dict] = field(default_factory=list)
+    audit: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    template: str = "alpaca"
+    format: str = "alpaca"
+
+
+def _stats(read, enc) -> dict:
+    dropped = dict(read.skipped)
+    for reason, n in enc.dropped.items():
+        dropped[reason] = dropped.get(reason, 0) + n
+    return {
+        "read": read.n_lines,
+        "good": len(read.records),
+        "cleaned": read.cleaning.records_changed,
+        "chars_removed": read.cleaning.chars_removed,
+        "kept": enc.n_kept,
+        "truncated": enc.n_truncated,
+        "dropped": sum(dropped.values()),
+        "dropped_reasons": dropped,
+    }
+
+
+def build_data(
+    cfg,
+    tokenizer,
+    *,
+    seed: int = 0,
+    output_dir: str | None = None,
+    batch_size: int = 8,
+    vocab_size: int | None = None,
+) -> DataBundle:
+    """Read, clean, tokenize and audit ``cfg.train_file`` / ``cfg.eval_file``.
+
+    Args:
+        cfg: the run's `DataConfig`.
+        tokenizer: a fast tokenizer with an EOS token (and ideally a chat template).
+        seed: seeds the audit's batching simulation and MinHash.
+        output_dir: when given and ``cfg.audit``, the audit is written to ``output_dir/data_audit.json``.
+        batch_size: per-device train batch size, used for the audit's padding ratio.
+        vocab_size: token ids must be below this (pass the model's embedding rows); default ``len(tokenizer)``.
+
+    Raises:
+        DataError: missing/empty file, a bad line (unless ``on_bad_record: skip``), a token id outside the
+            vocabulary, or no sample left — each naming the file, line or config field.
+
+    Example:
+        >>> data = build_data(cfg.data, tokenizer, seed=cfg.training.get("seed", 42), output_dir=out)
+        >>> trainer = Trainer(model, args, train_dataset=data.train_dataset, data_collator=data.collator, ...)
+    """
+    from datasets import Dataset
+
+    template = resolve_template(tokenizer, cfg.template)
+    eos = eos_id(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+
+    def load(path: str, config_field: str):
+        read = read_records(
+            path, config_field=config_field, format=cfg.format, on_bad_record=cfg.on_bad_record, clean=cfg.clean
+        )
+        samples, enc = encode_records(
+            tokenizer, read.records, max_length=cfg.max_length, template=template, vocab_size=vocab_size
+        )
+        if not samples:
+            raise DataError(
+                f"{config_field}: no sample left in {path}: {_stats(read, enc)['dropped_reasons']}; "
+                f"first: {(enc.dropped_examples or ['?'])[0]} (raise data.max_length)"
+            )
+        audit = None
+        if cfg.audit:
+            audit = summarize(
+                read, samples, enc, cfg, eos_token_id=eos, batch_size=batch_size, seed=seed, template=template,
+                path=str(path),
+            )
+        ds = Dataset.from_dict(
+            {"input_ids": [s["input_ids"] for s in samples], "labels": [s["labels"] for s in samples]}
+        )
+        return read, enc, ds, audit
+
+    train_read, train_enc, train_ds, train_audit = load(cfg.train_file, "data.train_file")
+    stats = {"train": _stats(train_read, train_enc), "eval": None}
+    audit: dict = {"train": train_audit, "eval": None} if cfg.audit else {}
+    eval_ds, eval_records = None, []
+    if cfg.eval_file:
+        eval_read, eval_enc, eval_ds, eval_audit = load(cfg.eval_file, "data.eval_file")
+        eval_records = [r.data for r in eval_read.records]
+        stats["eval"] = _stats(eval_read, eval_enc)
+        if cfg.audit:
+            audit["eval"] = eval_audit
+
+    for name, a in audit.items():
+        for alert in (a or {}).get("alerts", []):
+            logger.warning("data audit (%s): %s", name, alert)
+    if output_dir and cfg.audit and is_main_process():  # every rank computes the same audit; one writes it
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / AUDIT_FILE).write_text(json.dumps(audit, indent=2, ensure_ascii=False), encoding="utf-8")
+
+    if cfg.packing:
+        collator = PackingCollator(pad, cfg.pad_to_multiple_of, max_row_tokens=packing_row_tokens(cfg))
+    else:
+        collator = PaddingCollator(pad, cfg.pad_to_multiple_of)
+    return DataBundle(
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        collator=collator,
+        eval_collator=PaddingCollator(pad, cfg.pad_to_multiple_of),
+        eval_records=eval_records,
+        audit=audit,
+        stats=stats,
+        template=template,
+        format=train_read.format,
+    )

@@ -1,0 +1,121 @@
+"""Training samples: token ids + labels, the labels policy and the truncation policy.
+
+Labels policy:
+    * prompt tokens get -100 (the model is not trained to write the question);
+    * answer tokens and the final EOS are supervised — the EOS *by position* (it is the last token
+      of the sample), never by token id, so it is learned even when ``pad_token == eos_token``;
+    * padding gets -100 in the collator (again by position: only the positions it adds).
+
+Truncation policy (``data.max_length`` counts prompt + answer + EOS):
+    * the prompt is never cut: a model trained on a question missing its start learns answers to
+      questions nobody asked;
+    * if the sample is too long, the *answer* is cut from the right and the EOS is kept as the last
+      token, so every kept sample still teaches where an answer ends (counted as ``truncated`` in the
+      audit — a high count means ``max_length`` is too small, because a cut answer followed by EOS
+      teaches stopping early);
+    * a sample whose prompt alone fills ``max_length`` has no room for a supervised token and is
+      dropped and counted as ``no_supervised_token`` (an all -100 batch makes the loss NaN).
+
+Token ids ≥ the vocabulary size (``len(tokenizer)``, or the model's embedding rows when the recipe
+passes ``vocab_size``) are an error naming the sample: they index past the embedding matrix.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hf_stable.data.prompts import encode_answers, encode_prompts
+from hf_stable.data.records import Record
+from hf_stable.errors import DataError
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class EncodeStats:
+    """What encoding did: kept / truncated counts and drops by reason (with the first few lines)."""
+
+    n_in: int = 0
+    n_kept: int = 0
+    n_truncated: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    dropped_examples: list[str] = field(default_factory=list)
+
+
+def build_sample(prompt_ids: list[int], answer_ids: list[int], max_length: int) -> tuple[list, list, bool] | None:
+    """Join prompt and answer (which ends with EOS) under the truncation policy above.
+
+    Returns:
+        ``(input_ids, labels, truncated)``, or None when no supervised token fits.
+    """
+    n_prompt = len(prompt_ids)
+    if n_prompt >= max_length or not answer_ids:
+        return None
+    truncated = n_prompt + len(answer_ids) > max_length
+    if truncated:
+        room = max_length - n_prompt  # >= 1: the EOS always fits
+        answer_ids = answer_ids[: room - 1] + answer_ids[-1:]
+    return prompt_ids + answer_ids, [IGNORE_INDEX] * n_prompt + list(answer_ids), truncated
+
+
+def check_vocab(input_ids: list[int], vocab_size: int, where: str) -> None:
+    """Raise if any id is outside ``[0, vocab_size)``.
+
+    Raises:
+        DataError: naming the sample (``file:line``) and the offending id.
+    """
+    hi, lo = max(input_ids), min(input_ids)
+    if hi >= vocab_size or lo < 0:
+        bad = hi if hi >= vocab_size else lo
+        raise DataError(
+            f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size}); the tokenizer and the model "
+            "disagree (added tokens without model.resize_token_embeddings, or a tokenizer from another model)"
+        )
+
+
+def encode_records(
+    tokenizer,
+    records: list[Record],
+    *,
+    max_length: int,
+    template: str = "auto",
+    vocab_size: int | None = None,
+    chunk: int = 1024,
+) -> tuple[list[dict], EncodeStats]:
+    """Tokenize records into ``{"input_ids", "labels", "line"}`` samples.
+
+    Args:
+        tokenizer: a (fast) tokenizer with an EOS token.
+        records: good records from `read_records`.
+        max_length: tokens per sample, prompt + answer + EOS.
+        template: ``data.template``.
+        vocab_size: ids must be below this; default ``len(tokenizer)``.
+        chunk: records tokenized per fast-tokenizer call.
+
+    Raises:
+        DataError: a token id outside the vocabulary (naming file:line); a tokenizer without EOS.
+    """
+    vocab = int(vocab_size if vocab_size is not None else len(tokenizer))
+    stats = EncodeStats(n_in=len(records))
+    samples: list[dict] = []
+    for start in range(0, len(records), chunk):
+        part = records[start : start + chunk]
+        prompts = encode_prompts(tokenizer, [r.data for r in part], template)
+        answers = encode_answers(tokenizer, [r.data for r in part])
+        for rec, p, a in zip(part, prompts, answers):
+            built = build_sample(p, a, max_length)
+            if built is None:
+                stats.dropped["no_supervised_token"] += 1
+                if len(stats.dropped_examples) < 20:
+                    stats.dropped_examples.append(
+                        f"{rec.where}: prompt is {len(p)} tokens, no room for the answer within max_length "
+                        f"{max_length}"
+                    )
+                continue
+            ids, labels, truncated = built
+            check_vocab(ids, vocab, rec.where)
+            stats.n_truncated += truncated
+            samples.append({"input_ids": ids, "labels": labels, "line": rec.line})
+    stats.n_kept = len(samples)
+    return samples, stats
