@@ -79,7 +79,7 @@ def load_model(cfg: RunConfig, base: str):
     if attn == "hf_stable":
         from hf_stable.attention import register
 
-        register()
+        register(cfg.attention)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             base,

@@ -1,0 +1,179 @@
+"""`AttentionMonitorCallback`: sampled per-layer max attention logit, as metrics and alerts.
+
+Growth of the attention logits precedes a class of divergences (entropy collapse, then loss spikes).
+Reading them every step would defeat the fused kernels, so the callback arms the shared `LogitProbe`
+only on sampled steps (step 1 and every `interval`-th step); the `hf_stable` attention function feeds it
+during that step's forward passes; at `on_step_end` one device→host transfer yields every layer's max.
+
+Metrics: `attn/max_logit/layer_<i>` per layer and `attn/max_logit/max` over layers (raw scaled q·k before
+any soft-cap; the value measured *before* a QK-clip of the same step). Alerts (stability events):
+`attn_logit_high` when a layer crosses `alert_threshold` (once per crossing), `attn_logit_growth` when
+`growth_checks` consecutive samples of a layer each exceed the previous one and the last is at least
+`growth_ratio` times the first.
+"""
+
+from __future__ import annotations
+
+from hf_stable.attention.probe import LogitProbe, get_probe
+from hf_stable.callbacks.base import StabilityCallback
+
+IMPLEMENTATION = "hf_stable"
+
+
+def _attn_implementation(model) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def sample_step(step: int, interval: int) -> bool:
+    """Whether optimizer step `step` (1-based) is sampled: the first one, then every `interval`-th."""
+    return interval > 0 and (step == 1 or step % interval == 0)
+
+
+class AttentionMonitorCallback(StabilityCallback):
+    """Logs the sampled per-layer max attention logit and alerts on high or steadily growing values.
+
+    Needs the model to run with `attn_implementation="hf_stable"` (see `hf_stable.attention.register`);
+    with another implementation it records one warning event and stays inactive.
+
+    Args:
+        interval: sample every N optimizer steps (and step 1). 0 disables.
+        alert_threshold: `attn_logit_high` event when a layer's max goes above it.
+        growth_checks: number of consecutive samples, each above the previous, that make an
+            `attn_logit_growth` event ...
+        growth_ratio: ... provided the last is at least this multiple of the first.
+        probe: the probe to arm (defaults to the process-wide one the attention function feeds).
+        enabled: False makes the callback a no-op.
+
+    Example:
+        >>> register(); model = AutoModelForCausalLM.from_pretrained(p, attn_implementation="hf_stable")
+        >>> Trainer(model, args, callbacks=[AttentionMonitorCallback(interval=10)], ...)
+    """
+
+    def __init__(
+        self,
+        interval: int = 10,
+        alert_threshold: float = 50.0,
+        growth_checks: int = 5,
+        growth_ratio: float = 1.5,
+        probe: LogitProbe | None = None,
+        enabled: bool = True,
+    ):
+        super().__init__(enabled=enabled and interval > 0)
+        self.interval = interval
+        self.alert_threshold = alert_threshold
+        self.growth_checks = growth_checks
+        self.growth_ratio = growth_ratio
+        self.probe = probe if probe is not None else get_probe()
+        self._active = self.enabled
+        self._above: set[int] = set()
+        self._history: dict[int, list[float]] = {}
+        self._last: dict[int, float] = {}
+
+    @classmethod
+    def from_config(cls, cfg) -> AttentionMonitorCallback:
+        """From an `AttentionConfig` section."""
+        return cls(
+            interval=cfg.monitor_interval,
+            alert_threshold=cfg.logit_alert_threshold,
+            growth_checks=cfg.logit_growth_checks,
+            growth_ratio=cfg.logit_growth_ratio,
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "above": sorted(self._above),
+            "history": {str(k): v for k, v in self._history.items()},
+            "last": {str(k): v for k, v in self._last.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._above = {int(k) for k in state.get("above", [])}
+        self._history = {int(k): list(v) for k, v in state.get("history", {}).items()}
+        self._last = {int(k): float(v) for k, v in state.get("last", {}).items()}
+
+    @property
+    def last_maxima(self) -> dict[int, float]:
+        """`{layer: max logit}` of the latest sample."""
+        return dict(self._last)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if not self.enabled:
+            return
+        impl = _attn_implementation(kwargs.get("model"))
+        self._active = impl == IMPLEMENTATION
+        if not self._active:
+            self.event(
+                state.global_step,
+                "attn_monitor_inactive",
+                f"the model runs attn_implementation={impl!r}; the attention-logit monitor needs 'hf_stable' "
+                "(call hf_stable.attention.register() and load with attn_implementation='hf_stable')",
+                severity="warning",
+            )
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._active and sample_step(state.global_step + 1, self.interval):
+            self.probe.arm(state.global_step + 1)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if self._active and self.probe.step == step and sample_step(step, self.interval):
+            self.probe.disarm()
+            maxima = self.probe.layer_maxima()
+            if maxima:
+                self._observe(step, maxima)
+        super().on_step_end(args, state, control, **kwargs)
+
+    def _observe(self, step: int, maxima: dict[int, float]) -> None:
+        metrics = {f"attn/max_logit/layer_{i}": v for i, v in maxima.items()}
+        metrics["attn/max_logit/max"] = max(maxima.values())
+        self.record(metrics)
+        self._last = dict(maxima)
+        for layer, value in maxima.items():
+            if value > self.alert_threshold and layer not in self._above:
+                self._above.add(layer)
+                self.event(
+                    step,
+                    "attn_logit_high",
+                    f"layer {layer} max attention logit {value:.1f} > {self.alert_threshold:g}: attention is "
+                    "sharpening (consider attention.softcap or attention.qk_clip, or a lower LR)",
+                    group=f"layer_{layer}",
+                    value=value,
+                    threshold=self.alert_threshold,
+                )
+            elif value <= self.alert_threshold:
+                self._above.discard(layer)
+            history = self._history.setdefault(layer, [])
+            if history and value <= history[-1]:
+                history.clear()
+            history.append(value)
+            if len(history) >= self.growth_checks:
+                first = history[0]
+                if first > 0 and value >= self.growth_ratio * first:
+                    self.event(
+                        step,
+                        "attn_logit_growth",
+                        f"layer {layer} max attention logit rose over {len(history)} consecutive samples, "
+                        f"{first:.2f} -> {value:.2f} (x{value / first:.2f})",
+                        group=f"layer_{layer}",
+                        value=value,
+                        threshold=self.growth_ratio,
+                    )
+                    history.clear()
+                else:
+                    del history[0]
+
+
+def build_attention_callbacks(cfg) -> list:
+    """The attention callbacks an `AttentionConfig` asks for (none unless implementation is 'hf_stable')."""
+    from hf_stable.callbacks.qk_clip import QKClipCallback
+
+    if cfg.implementation != IMPLEMENTATION:
+        return []
+    callbacks: list = []
+    if cfg.monitor_interval > 0:
+        callbacks.append(AttentionMonitorCallback.from_config(cfg))
+    if cfg.qk_clip:
+        callbacks.append(QKClipCallback.from_config(cfg))
+    return callbacks

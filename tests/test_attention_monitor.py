@@ -1,0 +1,183 @@
+"""The sampled max-logit probe and `AttentionMonitorCallback`: exact values against a brute-force computation,
+chunking, Trainer logs, alerts, and an inactive warning on a non-hf_stable model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import AttentionInterface, TrainerControl, TrainerState, TrainingArguments
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hf_stable.attention import AttentionSettings, get_probe, head_max_logits, register
+from hf_stable.callbacks.attention_monitor import AttentionMonitorCallback, build_attention_callbacks
+from hf_stable.callbacks.events import read_events
+
+CAPTURED: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+
+def capture_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    CAPTURED[module.layer_idx] = (query.detach().clone(), key.detach().clone(), scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    register(AttentionSettings())
+    AttentionInterface.register("capture_qk", capture_attention)
+    AttentionMaskInterface.register("capture_qk", sdpa_mask)
+    yield
+    get_probe().reset()
+
+
+def batch_for(layout: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A batch plus, per token, whether it is real and which sample it belongs to (derived by hand)."""
+    gen = torch.Generator().manual_seed(1)
+    if layout == "packed":
+        lengths = (6, 3, 5)
+        ids = torch.randint(5, 300, (1, sum(lengths)), generator=gen)
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+        return {"input_ids": ids, "position_ids": pos, "use_cache": False}, torch.ones_like(ids, dtype=torch.bool), seg
+    lengths, T = (10, 7, 4), 10
+    ids = torch.randint(5, 300, (3, T), generator=gen)
+    real = torch.zeros(3, T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        real[b, :n] = True
+    if layout == "left":
+        real = real.flip(-1)
+    return {"input_ids": ids, "attention_mask": real.long()}, real, torch.zeros_like(ids)
+
+
+def measure(model, batch) -> dict[int, list[float]]:
+    probe = get_probe()
+    probe.reset()
+    probe.arm(step=-1)
+    model.train()
+    with torch.no_grad():
+        model(**batch)
+    probe.disarm()
+    out = probe.read()
+    probe.reset()
+    return out
+
+
+def brute_force_max(q, k, scaling, real, seg) -> list[float]:
+    """Per-head max over (b, i, j) with j <= i, both tokens real, same sample: explicit loops over the pattern."""
+    k = repeat_kv(k, q.shape[1] // k.shape[1])
+    logits = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) * scaling
+    B, H, T, _ = logits.shape
+    best = [float("-inf")] * H
+    for b in range(B):
+        for i in range(T):
+            for j in range(i + 1):
+                if real[b, i] and real[b, j] and seg[b, i] == seg[b, j]:
+                    for h in range(H):
+                        best[h] = max(best[h], logits[b, h, i, j].item())
+    return best
+
+
+@pytest.mark.parametrize("layout", ["right", "left", "packed"])
+def test_probe_equals_brute_force(arch, tokenizer, layout):
+    batch, real, seg = batch_for(layout)
+    ours = make_tiny_model(arch, tokenizer, attn_implementation="hf_stable")
+    with torch.no_grad():  # spread the logits so that masked positions would change the maximum
+        for layer in ours.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+    spy = make_tiny_model(arch, tokenizer, attn_implementation="capture_qk")
+    spy.load_state_dict(ours.state_dict())
+    CAPTURED.clear()
+    with torch.no_grad():
+        spy(**batch)
+    measured = measure(ours, batch)
+    assert sorted(measured) == sorted(CAPTURED) == list(range(ours.config.num_hidden_layers))
+    masking_mattered = False
+    for layer, (q, k, scaling) in CAPTURED.items():
+        want = brute_force_max(q, k, scaling, real, seg)
+        assert measured[layer] == pytest.approx(want, abs=1e-5)
+        everything = (q @ repeat_kv(k, q.shape[1] // k.shape[1]).transpose(-1, -2) * scaling).amax(dim=(0, 2, 3))
+        masking_mattered |= any(e > w + 1e-4 for e, w in zip(everything.tolist(), want))
+    assert masking_mattered  # the pattern excluded some larger logit somewhere, so the check has teeth
+
+
+def test_probe_chunking_and_eval_mode(tokenizer):
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8)
+    am = torch.arange(9)[None, :] < torch.tensor([[9], [5]])
+    mask = sdpa_mask(batch_size=2, q_length=9, kv_length=9, attention_mask=am)
+    whole = head_max_logits(q, k, mask, 0.3)
+    chunked = head_max_logits(q, k, mask, 0.3, chunk_elements=7)  # one query row at a time
+    assert torch.allclose(whole, chunked, rtol=0, atol=1e-6) and whole.shape == (4,)
+    model = make_tiny_model("llama", tokenizer, attn_implementation="hf_stable").eval()
+    probe = get_probe()
+    probe.reset()
+    probe.arm(step=5)
+    model(input_ids=torch.randint(5, 300, (1, 8)))
+    assert probe.read() == {}  # evaluation forwards never feed a sample
+    probe.reset()
+
+
+def test_trainer_logs_max_logit(tokenizer, tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer
+
+    model = make_tiny_model("qwen2", tokenizer, attn_implementation="hf_stable")
+    ids = torch.randint(5, 300, (8, 16)).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=1e-3,
+        disable_tqdm=True,
+    )
+    monitor = AttentionMonitorCallback(interval=2, alert_threshold=-1e9)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[monitor])
+    trainer.train()
+    logs = {e["step"]: e for e in trainer.state.log_history if "loss" in e}
+    for step in (1, 2):
+        assert "attn/max_logit/layer_0" in logs[step] and "attn/max_logit/layer_1" in logs[step]
+        assert logs[step]["attn/max_logit/max"] == max(
+            logs[step]["attn/max_logit/layer_0"], logs[step]["attn/max_logit/layer_1"]
+        )
+    assert not any(k.startswith("attn/") for k in logs[3])  # step 3 is not sampled
+    high = [e for e in read_events(tmp_path) if e["kind"] == "attn_logit_high"]
+    assert sorted(e["group"] for e in high) == ["layer_0", "layer_1"]  # once per crossing, not per sample
+    assert not get_probe().armed
+
+
+def test_growth_alert_and_state_roundtrip():
+    cb = AttentionMonitorCallback(interval=1, alert_threshold=1e9, growth_checks=4, growth_ratio=1.5)
+    for step, value in enumerate([2.0, 2.1, 1.9, 2.0, 2.2, 2.5, 3.1], start=1):
+        cb._observe(step, {0: value})
+    growth = [e for e in cb.events if e["kind"] == "attn_logit_growth"]
+    assert [e["step"] for e in growth] == [7]  # 1.9 < 2.0 < 2.2 < 2.5 < 3.1 after the dip; 3.1 / 2.0 >= 1.5
+    cb2 = AttentionMonitorCallback()
+    cb2.load_state_dict(cb.state_dict())
+    assert cb2.state_dict() == cb.state_dict() and cb2.last_maxima == {0: 3.1}
+
+
+def test_inactive_on_other_implementation(tokenizer, tmp_path):
+    model = make_tiny_model("llama", tokenizer, attn_implementation="sdpa")
+    cb = AttentionMonitorCallback(interval=1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    state, control = TrainerState(), TrainerControl()
+    cb.on_train_begin(args, state, control, model=model)
+    cb.on_step_begin(args, state, control, model=model)
+    assert not get_probe().armed
+    assert [e["kind"] for e in cb.events] == ["attn_monitor_inactive"]
+
+
+def test_build_attention_callbacks():
+    from hf_stable.callbacks.qk_clip import QKClipCallback
+    from hf_stable.config import AttentionConfig
+
+    assert build_attention_callbacks(AttentionConfig(implementation="sdpa")) == []  # nothing to monitor
+    cbs = build_attention_callbacks(AttentionConfig(implementation="hf_stable", qk_clip=True, qk_clip_tau=30.0))
+    assert [type(c) for c in cbs] == [AttentionMonitorCallback, QKClipCallback]
+    assert cbs[0].interval == 10 and cbs[1].tau == 30.0
