@@ -110,12 +110,17 @@ def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool = False):
         return model
     from peft import LoraConfig, get_peft_model
 
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in lora.target_modules if t not in names]
+    names = [name for name, _ in model.named_modules() if name]
+
+    def matches(target: str) -> bool:  # peft's rule: the full module name, or a dotted suffix of it
+        return any(n == target or n.endswith("." + target) for n in names)
+
+    missing = [t for t in lora.target_modules if not matches(t)]
     if len(missing) == len(lora.target_modules):
-        sample = ", ".join(sorted(n for n in names if n and not n.isdigit())[:12])
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in names if not n.rsplit(".", 1)[-1].isdigit()})
         raise ModelError(
-            f"lora.target_modules: {lora.target_modules} match no module of the model (module names include: {sample})"
+            f"lora.target_modules: {lora.target_modules} match no module of the model "
+            f"(module names include: {', '.join(leaves[:16])})"
         )
     if missing:
         logger.warning("lora.target_modules: %s match nothing in this model; ignoring them", missing)

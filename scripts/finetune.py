@@ -19,6 +19,7 @@ from transformers import Trainer  # noqa: E402
 from hf_stable.callbacks import build_callbacks  # noqa: E402
 from hf_stable.config import load_config, training_arguments  # noqa: E402
 from hf_stable.data import build_data  # noqa: E402
+from hf_stable.doctor import preflight  # noqa: E402
 from hf_stable.evaluation import evaluate_run  # noqa: E402
 from hf_stable.logging import get_logger, is_main_process, print_main  # noqa: E402
 from hf_stable.modeling import apply_lora, count_parameters, load_model, load_tokenizer, resolve_base  # noqa: E402
@@ -56,6 +57,10 @@ def main(argv: list[str]) -> None:
             batch_size=args.per_device_train_batch_size,
             vocab_size=model.get_input_embeddings().num_embeddings,
         )
+
+        # 2b. preflight doctor (environment, config hazards, dry run with weights restored): refuses on a blocker
+        if cfg.doctor:
+            preflight(cfg, args, model=model, tokenizer=tokenizer, data=data)
 
         # 3. optimizer groups (layer-wise LR, no-decay groups, LoRA+)
         optimizer = build_optimizer(model, cfg.optim, args)

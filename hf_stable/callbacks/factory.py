@@ -12,4 +12,7 @@ def build_callbacks(cfg, args=None) -> list:
         from hf_stable.callbacks.monitors import build_monitors
 
         callbacks += build_monitors(stability.monitors)
+    from hf_stable.callbacks.attention_monitor import build_attention_callbacks
+
+    callbacks += build_attention_callbacks(cfg.attention)
     return callbacks

@@ -16,6 +16,7 @@ from typing import Any
 
 from hf_stable.config.attention import AttentionConfig
 from hf_stable.config.data import DataConfig
+from hf_stable.config.doctor import DoctorConfig
 from hf_stable.config.evaluation import EvaluationConfig
 from hf_stable.config.loader import build_section, coerce, parse_overrides, read_yaml, set_dotted
 from hf_stable.config.model import LoraSection, ModelConfig
@@ -38,6 +39,10 @@ class RunConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     doctor: bool = field(default=False, metadata={"help": "Run `hf-stable doctor` checks before training."})
+    doctor_checks: DoctorConfig = field(
+        default_factory=DoctorConfig,
+        metadata={"help": "Thresholds of `hf-stable doctor` (doctor: true runs it before training)."},
+    )
     training: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Keyword arguments of transformers.TrainingArguments."}
     )

@@ -89,7 +89,7 @@ class UpdateMonitorConfig:
     """Update stall: relative update ||dtheta|| / ||theta|| per group near zero while gradients are not."""
 
     enabled: bool = field(default=True, metadata=_h("Measure relative parameter updates per group."))
-    every_n_steps: int = field(default=10, metadata=_h("Measure every N steps (costs one copy of the trainables)."))
+    every_n_steps: int = field(default=20, metadata=_h("Measure every N steps (costs one copy of the trainables)."))
     stall_ratio: float = field(default=1e-9, metadata=_h("A relative update below this counts as stalled."))
     min_grad_norm: float = field(default=1e-8, metadata=_h("... if the group's grad norm is above this."))
     patience: int = field(default=3, metadata=_h("Consecutive stalled checks before alerting."))

@@ -43,6 +43,7 @@ def write_model_card(
     data_section: str = "",
     optimizer_section: str = "",
     stability_section: str = "",
+    doctor_section: str = "",
     tags: list[str] | None = None,
 ) -> Path:
     """Render README.md into `output_dir` and return its path."""
@@ -76,6 +77,7 @@ def write_model_card(
         data_section=data_section or "No data audit was run.",
         optimizer_section=optimizer_section,
         stability_section=stability_section or "No stability events were recorded.",
+        doctor_section=doctor_section,
         config_yaml=yaml.safe_dump(config, sort_keys=False, allow_unicode=True).strip(),
         versions=_versions(),
     )

@@ -26,6 +26,7 @@ def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=Non
         from hf_stable.data.audit import audit_markdown
 
         data_md = audit_markdown(data.audit)
+    doctor_md = output.path / "doctor_report.md"
     write_model_card(
         output.path,
         config=cfg.to_dict(),
@@ -35,4 +36,5 @@ def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=Non
         data_section=data_md,
         optimizer_section=optimizer_markdown(optimizer_table or []),
         stability_section=render_report(output.path),
+        doctor_section=doctor_md.read_text(encoding="utf-8") if doctor_md.is_file() else "",
     )

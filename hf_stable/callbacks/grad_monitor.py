@@ -1,0 +1,181 @@
+"""`GradientMonitor`: gradient health every step — norms per group, max |grad| and where, explosion / vanishing.
+
+It reads the shared `GradStats` result in `on_pre_optimizer_step` (gradients accumulated, all-reduced, unscaled).
+Pre- or post-clip: with `TrainingArguments.max_grad_norm > 0` the Trainer has already clipped by then, so the
+numbers are post-clip and the monitor says so once; the hf_stable recipe sets `max_grad_norm=0` and clips per
+group in a guard, so the monitor sees pre-clip gradients. Under DDP the gradients are already averaged over
+ranks at this hook, so every rank reports the same numbers. Under DeepSpeed there is no `p.grad`: the monitor
+says once that it is off and logs nothing (never zeros).
+"""
+
+from __future__ import annotations
+
+import math
+
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.grad_stats import GradReport, GradStats
+from hf_stable.callbacks.monitor_utils import AlertGate, uses_deepspeed
+
+
+class GradientMonitor(StabilityCallback):
+    """Logs `grad/norm_global`, `grad/norm/<group>`, `grad/max_abs`, `grad/nonfinite_*`; alerts on explosion,
+    vanishing and a huge single gradient element.
+
+    Args:
+        every_n_steps: check every N optimizer steps (one host transfer per check).
+        explosion_norm: `grad_explosion` event when the global norm exceeds this.
+        vanishing_norm: a global norm below this counts as vanishing ...
+        vanishing_patience: ... and `grad_vanishing` fires after this many consecutive checks.
+        max_abs: `grad_max_abs` event (with the group and parameter) when max |g| exceeds this.
+        cooldown_steps: steps before the same alert fires again.
+        enabled: when False the callback does nothing.
+
+    Example:
+        >>> trainer = Trainer(..., callbacks=[GradientMonitor(explosion_norm=1e3)])
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        explosion_norm: float = 1e4,
+        vanishing_norm: float = 1e-6,
+        vanishing_patience: int = 10,
+        max_abs: float = 1e3,
+        cooldown_steps: int = 50,
+        enabled: bool = True,
+    ):
+        super().__init__(enabled)
+        self.every_n_steps = every_n_steps
+        self.explosion_norm = explosion_norm
+        self.vanishing_norm = vanishing_norm
+        self.vanishing_patience = vanishing_patience
+        self.max_abs = max_abs
+        self.cooldown_steps = cooldown_steps
+        self._gate = AlertGate(cooldown_steps)
+        self._vanishing_streak = 0
+        self._checks = 0
+        self._off_reason: str | None = None
+        self._post_clip = False
+        self.last_report: GradReport | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> GradientMonitor:
+        return cls(
+            every_n_steps=cfg.every_n_steps,
+            explosion_norm=cfg.explosion_norm,
+            vanishing_norm=cfg.vanishing_norm,
+            vanishing_patience=cfg.vanishing_patience,
+            max_abs=cfg.max_abs,
+            cooldown_steps=cfg.cooldown_steps,
+            enabled=cfg.enabled,
+        )
+
+    # --- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"vanishing_streak": self._vanishing_streak, "checks": self._checks, "gate": self._gate.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._vanishing_streak = int(state.get("vanishing_streak", 0))
+        self._checks = int(state.get("checks", 0))
+        self._gate.load_state_dict(state.get("gate", {}))
+
+    # --- decisions (pure: testable on constructed traces) ------------------------------------------
+    def observe(self, step: int, report: GradReport) -> list[dict]:
+        """Judge one step's report; returns the events it wrote."""
+        if not report.available:
+            return []
+        self._checks += 1
+        events = []
+        norm = report.global_norm
+        if math.isfinite(norm) and norm > self.explosion_norm:
+            events += self._alert(
+                step, "grad_explosion", None, norm, self.explosion_norm, "error",
+                f"global grad norm {norm:.4g} > {self.explosion_norm:g} (largest group: {_largest(report)})",
+            )
+        if math.isfinite(norm) and norm < self.vanishing_norm:
+            self._vanishing_streak += 1
+            if self._vanishing_streak >= self.vanishing_patience:
+                events += self._alert(
+                    step, "grad_vanishing", None, norm, self.vanishing_norm, "warning",
+                    f"global grad norm {norm:.3g} < {self.vanishing_norm:g} for {self._vanishing_streak} "
+                    "consecutive checks (frozen/detached parameters, LR/loss scale, all labels masked?)",
+                )
+        else:
+            self._vanishing_streak = 0
+        if math.isfinite(report.max_abs) and report.max_abs > self.max_abs:
+            events += self._alert(
+                step, "grad_max_abs", report.max_abs_group, report.max_abs, self.max_abs, "warning",
+                f"max |grad| {report.max_abs:.4g} > {self.max_abs:g} in {report.max_abs_param}",
+                param=report.max_abs_param,
+            )
+        return events
+
+    def _alert(self, step, kind, group, value, threshold, severity, message, **extra) -> list[dict]:
+        suppressed = self._gate.allow(step, kind, group)
+        if suppressed is None:
+            return []
+        if suppressed:
+            message += f" ({suppressed} similar alerts suppressed since the last one)"
+        return [self.event(step, kind, message, group=group, value=value, threshold=threshold,
+                           severity=severity, **extra)]
+
+    # --- Trainer hooks ------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if not self.enabled:
+            return
+        self._off_reason = None
+        if uses_deepspeed(args):
+            self._say_off(state, "DeepSpeed keeps gradients in its own (partitioned) buffers; p.grad is None")
+        self._post_clip = bool(args.max_grad_norm and args.max_grad_norm > 0)
+        if self._post_clip and self._off_reason is None:
+            self.event(
+                state.global_step, "monitor_notice",
+                f"gradient statistics are post-clip: TrainingArguments.max_grad_norm={args.max_grad_norm} clips "
+                "before any callback sees the gradients; set max_grad_norm=0 and clip with the hf_stable guard "
+                "for pre-clip numbers", severity="info",
+            )
+
+    def _say_off(self, state, reason: str) -> None:
+        if self._off_reason is None:
+            self._off_reason = reason
+            self.event(state.global_step, "monitor_off", f"gradient monitors are off: {reason}", severity="info")
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.enabled or self._off_reason is not None or model is None:
+            return
+        if (state.global_step + 1) % self.every_n_steps:
+            return
+        stats = GradStats.shared(model)
+        # The exact max |g| costs a second pass over the gradients: take it at logging steps (for the metric),
+        # and otherwise only when the largest per-tensor L2 norm - an upper bound of it - crosses the threshold.
+        report = stats.compute(model, step=state.global_step, max_abs=_logs_at(args, state.global_step + 1))
+        if not report.available:
+            self._say_off(state, report.reason)
+            return
+        if not report.has_max_abs and report.max_param_norm > self.max_abs:
+            report = stats.compute(model, step=state.global_step, max_abs=True)
+        self.last_report = report
+        self.record(report.metrics())
+        self.observe(state.global_step + 1, report)
+
+
+def _logs_at(args, step: int) -> bool:
+    """Will the Trainer log at `step`? (the decision itself is made later, in DefaultFlowCallback.on_step_end)"""
+    if step == 1 and getattr(args, "logging_first_step", False):
+        return True
+    strategy = getattr(args, "logging_strategy", "steps")
+    strategy = str(getattr(strategy, "value", strategy))  # IntervalStrategy enum or plain string
+    steps = getattr(args, "logging_steps", 0) or 0
+    if "steps" not in strategy or steps <= 0:
+        return True  # epoch/no logging: cheap enough to keep the metric exact
+    every = steps if steps >= 1 else max(1, int(steps * getattr(args, "max_steps", 1)))
+    return step % int(every) == 0
+
+
+def _largest(report: GradReport) -> str:
+    finite = {g: v for g, v in report.group_norms.items() if math.isfinite(v)}
+    if not finite:
+        return "none finite"
+    g = max(finite, key=finite.get)
+    return f"{g} {finite[g]:.4g}"

@@ -1,0 +1,363 @@
+"""`GradStats`: every gradient statistic of one optimizer step, computed once, on device, with one host transfer.
+
+Why it exists: a per-parameter loop of `p.grad.norm().item()` forces one device→host sync per tensor (hundreds
+per step on a real model). Here the per-tensor L2 norms and max-|g| come from two `torch._foreach_norm` calls,
+per-group sums from `index_add_`, and everything a monitor needs (group norms, global norm, max |grad| and
+where, non-finite tensors per group, plus on-device scalars other monitors attach, e.g. the step's loss) is
+packed into one tensor and moved to the host with a single `.tolist()`.
+
+One computation per step is shared by monitors and guards: `GradStats.shared(model)` returns the same object for
+the same model, and results are cached per step (keyed by the step number and the identity of the gradient
+tensors). The *first* computation of a step wins, so a guard that clips or zeroes gradients after asking for the
+statistics does not change what the monitors report: they see pre-modification numbers.
+
+When to call it (Trainer): in `on_pre_optimizer_step`, with `step=state.global_step`. There the gradients are
+accumulated, all-reduced (DDP) and unscaled (fp16). With `TrainingArguments.max_grad_norm > 0` they are also
+already clipped; the recipe sets `max_grad_norm=0` and clips per group itself (using `device_stats`, no host sync).
+Caveat measured on transformers 5.24: even with `max_grad_norm=0` the Trainer calls
+`clip_grad_norm_(params, inf)` to log `grad_norm`; its coefficient is `inf / (norm + 1e-6)` = NaN when any
+gradient is non-finite, so by this hook *every* gradient is NaN. Counts per group then cannot name the culprit;
+`NonFiniteLocator` re-runs the batch to do that.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_stable.optim.roles import group_parameters
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class DeviceGradStats:
+    """The step's gradient statistics as device tensors (no host sync). Order follows `names`.
+
+    Args:
+        names: parameter names that had a gradient, in the order of the per-parameter tensors.
+        params: the matching parameters (so a clipping guard can scale `p.grad` per group).
+        groups: group names; `group_index[i]` is the group of `names[i]`.
+        group_index: long tensor [P].
+        param_norms: float32 [P] L2 norm of each gradient.
+        param_max_abs: float32 [P] max |g| of each gradient, or None until asked for (see `GradStats.compute`).
+        group_norms: float32 [G] L2 norm per group.
+        nonfinite: float32 [G] number of tensors per group whose gradient holds NaN/Inf.
+        global_norm: float32 scalar, L2 norm over every gradient.
+        group_ids: host copy of `group_index` (known without a transfer).
+    """
+
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    groups: list[str]
+    group_index: torch.Tensor
+    param_norms: torch.Tensor
+    param_max_abs: torch.Tensor | None
+    group_norms: torch.Tensor
+    nonfinite: torch.Tensor
+    global_norm: torch.Tensor
+    group_ids: list[int]
+
+
+@dataclass
+class GradReport:
+    """Host-side gradient statistics of one step.
+
+    `available` is False when no trainable parameter had a gradient (DeepSpeed ZeRO keeps gradients in its own
+    buffers; sharded FSDP gradients are not read) — then every number is NaN/empty, never zero. `extras` holds
+    the attached on-device scalars (summed over ranks), e.g. the step's loss. `max_abs` (and where) is filled
+    only when asked for (`has_max_abs`); `max_param_norm` (the largest per-tensor L2 norm, an upper bound of
+    max |g|) always is. Non-finite tensors are left out of both maxima.
+    """
+
+    step: int | None
+    available: bool
+    reason: str = ""
+    global_norm: float = math.nan
+    group_norms: dict[str, float] = field(default_factory=dict)
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    max_abs: float = math.nan
+    max_abs_group: str | None = None
+    max_abs_param: str | None = None
+    has_max_abs: bool = False
+    max_param_norm: float = math.nan
+    max_norm_param: str | None = None
+    n_tensors: int = 0
+    extras: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def nonfinite_total(self) -> int:
+        return sum(self.nonfinite.values())
+
+    def metrics(self) -> dict[str, float]:
+        """Namespaced metrics for the Trainer logs. Per-group non-finite counts appear only when non-zero."""
+        if not self.available:
+            return {}
+        out = {"grad/norm_global": self.global_norm}
+        if self.has_max_abs:
+            out["grad/max_abs"] = self.max_abs
+        out.update({f"grad/norm/{g}": v for g, v in self.group_norms.items()})
+        out["grad/nonfinite_total"] = float(self.nonfinite_total)
+        out.update({f"grad/nonfinite/{g}": float(n) for g, n in self.nonfinite.items() if n})
+        return out
+
+
+def _dist_world() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+class GradStats:
+    """Per-group gradient statistics with one device→host transfer per step, shared by monitors and guards.
+
+    Args:
+        model: the (unwrapped) model; its trainable parameters are grouped with `hf_stable.optim.roles`.
+        groups: an explicit `{group: [(name, param), ...]}` instead of the role-based grouping.
+
+    Example:
+        >>> stats = GradStats.shared(model)             # in on_pre_optimizer_step
+        >>> report = stats.compute(model, step=state.global_step, max_abs=True)
+        >>> report.global_norm, report.group_norms["layer_0.lora_B"]
+        >>> dev = stats.device_stats(model, step=state.global_step)   # device tensors, e.g. per-group clipping
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, groups: dict | None = None):
+        self._model_ref = weakref.ref(model) if model is not None else None
+        self._explicit_groups = groups
+        self._entries: list[tuple[str, torch.nn.Parameter, int]] | None = None
+        self._group_names: list[str] = []
+        self._index_cache: dict = {}
+        self._sources: dict[str, Callable[[], dict[str, torch.Tensor]]] = {}
+        self._dev_key = None
+        self._dev: DeviceGradStats | None = None
+        self._host_key = None
+        self._host: GradReport | None = None
+
+    @classmethod
+    def shared(cls, model: torch.nn.Module) -> GradStats:
+        """The one instance for `model` (created on first use), so every callback shares the step's result."""
+        stats = _SHARED.get(model)
+        if stats is None:
+            stats = _SHARED[model] = cls(model)
+        return stats
+
+    # --- configuration ----------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-read the parameter groups (call after freezing/unfreezing parameters)."""
+        self._entries = None
+        self._index_cache = {}
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget the cached result (the next call computes again)."""
+        self._dev_key = self._dev = self._host_key = self._host = None
+
+    def add_source(self, name: str, fn: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Attach on-device scalars to every transfer: `fn()` returns `{key: 0-d tensor}` (may be empty).
+
+        The values are summed over ranks (when torch.distributed is initialized) inside the same transfer, so
+        every rank reads the same numbers; every rank must therefore call `compute` at the same steps.
+        """
+        self._sources[name] = fn
+
+    def _ensure_entries(self) -> list[tuple[str, torch.nn.Parameter, int]]:
+        if self._entries is None:
+            model = self._model_ref() if self._model_ref is not None else None
+            groups = self._explicit_groups
+            if groups is None:
+                if model is None:
+                    raise ValueError("GradStats needs a model or explicit groups")
+                groups = group_parameters(model, trainable_only=True)
+            self._group_names = list(groups)
+            self._entries = [(n, p, gi) for gi, g in enumerate(self._group_names) for n, p in groups[g]]
+        return self._entries
+
+    # --- on-device statistics -------------------------------------------------------------------
+    def _present(self):
+        present, grads = [], []
+        for entry in self._ensure_entries():
+            g = entry[1].grad
+            if g is not None:
+                present.append(entry)
+                grads.append(g)
+        return present, grads
+
+    def _key(self, step, present, grads):
+        """What identifies the step's gradients: the step label plus the first gradient tensor (weakly held)."""
+        if step is None:
+            return None
+        if not grads:
+            return (step, None, None)
+        return (step, present[0][1], weakref.ref(grads[0]))
+
+    def _hit(self, key, step) -> bool:
+        """Same step label and the same gradient objects (or gradients dropped since: a skip in this step).
+
+        A new run restarting the step count, or `zero_grad(set_to_none=False)` reuse across steps, both miss:
+        new gradient tensors, or a different step label. Cost O(1), so every reader of a step can ask freely.
+        """
+        if key is None or step is None or key[0] != step:
+            return False
+        if key[1] is None:
+            return all(p.grad is None for _, p, _ in self._ensure_entries())
+        current = key[1].grad
+        return current is None or current is key[2]()
+
+    def _group_index(self, idx: tuple[int, ...], device) -> torch.Tensor:
+        key = (idx, str(device))
+        out = self._index_cache.get(key)
+        if out is None:
+            out = torch.tensor(idx, dtype=torch.long, device=device)
+            if len(self._index_cache) > 8:
+                self._index_cache.clear()
+            self._index_cache[key] = out
+        return out
+
+    def device_stats(self, model: torch.nn.Module | None = None, step: int | None = None) -> DeviceGradStats | None:
+        """Statistics as device tensors, computed once per step; None when no parameter has a gradient."""
+        if model is not None and (self._model_ref is None or self._model_ref() is not model):
+            self._model_ref, self._entries = weakref.ref(model), None
+        if self._hit(self._dev_key, step):
+            return self._dev
+        present, grads = self._present()
+        if not grads or type(grads[0]).__name__ == "DTensor" or type(grads[-1]).__name__ == "DTensor":
+            self._dev_key, self._dev = self._key(step, present, grads), None
+            return None
+        home = grads[0].device
+        # Bucket by device so model-parallel layouts work; order of `names` follows the buckets.
+        buckets: dict = {}
+        for entry, g in zip(present, grads):
+            buckets.setdefault(g.device, []).append((entry, g))
+        ordered, l2 = [], []
+        for dev_entries in buckets.values():
+            gs = [g for _, g in dev_entries]
+            l2.append(torch.stack(torch._foreach_norm(gs, 2.0, dtype=torch.float32)).to(home))
+            ordered.extend(e for e, _ in dev_entries)
+        param_norms = torch.cat(l2) if len(l2) > 1 else l2[0]
+        group_ids = [gi for _, _, gi in ordered]
+        gidx = self._group_index(tuple(group_ids), home)
+        n_groups = len(self._group_names)
+        sq = param_norms.square()
+        group_norms = torch.zeros(n_groups, dtype=torch.float32, device=home).index_add_(0, gidx, sq).sqrt_()
+        bad = (~torch.isfinite(param_norms)).to(torch.float32)
+        nonfinite = torch.zeros(n_groups, dtype=torch.float32, device=home).index_add_(0, gidx, bad)
+        self._dev = DeviceGradStats(
+            names=[n for n, _, _ in ordered],
+            params=[p for _, p, _ in ordered],
+            groups=list(self._group_names),
+            group_index=gidx,
+            param_norms=param_norms,
+            param_max_abs=None,
+            group_norms=group_norms,
+            nonfinite=nonfinite,
+            global_norm=sq.sum().sqrt(),
+            group_ids=group_ids,
+        )
+        self._dev_key = self._key(step, present, grads)
+        return self._dev
+
+    # --- host report -----------------------------------------------------------------------------
+    def _extras(self, device) -> tuple[list[str], torch.Tensor | None]:
+        keys, vals = [], []
+        for fn in self._sources.values():
+            for k, v in (fn() or {}).items():
+                keys.append(k)
+                vals.append(v.detach().to(device=device, dtype=torch.float32).reshape(()))
+        if not vals:
+            return keys, None
+        packed = torch.stack(vals)
+        if _dist_world() > 1:
+            torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM)
+        return keys, packed
+
+    @staticmethod
+    def _param_max_abs(dev: DeviceGradStats) -> torch.Tensor:
+        """Per-tensor max |g| (computed once per step, on request)."""
+        if dev.param_max_abs is None:
+            grads = [p.grad for p in dev.params]
+            home = dev.param_norms.device
+            if home.type == "cpu":
+                # The CPU foreach inf-norm kernel is a slow scalar loop; aminmax per tensor is ~2-10x faster.
+                mm = torch.stack([torch.stack(g.aminmax()) if g.numel() else g.new_zeros(2) for g in grads])
+                mm = mm.to(torch.float32)
+                dev.param_max_abs = torch.maximum(mm[:, 1], -mm[:, 0])
+            else:
+                dev.param_max_abs = torch.stack(
+                    [n.to(home) for n in torch._foreach_norm(grads, math.inf, dtype=torch.float32)]
+                )
+        return dev.param_max_abs
+
+    @staticmethod
+    def _best(values: torch.Tensor) -> list[torch.Tensor]:
+        """Largest finite value and its index (value -1 when none is finite), as two 1-element tensors."""
+        best = torch.max(torch.where(torch.isfinite(values), values, -1.0), dim=0)
+        return [best.values.reshape(1), best.indices.to(torch.float32).reshape(1)]
+
+    def compute(self, model: torch.nn.Module | None = None, step: int | None = None,
+                max_abs: bool = False) -> GradReport:
+        """Host-side report of the step (cached per step), transferred with one `.tolist()`.
+
+        `max_abs=False` skips the exact max |g| (a second pass over every gradient); the report then carries
+        `max_norm_param` / `max_param_norm`, the largest per-tensor L2 norm, which bounds max |g| from above,
+        so a caller can ask for the exact value (one more transfer) only when the bound crosses its threshold.
+        The exact max |g| reads the gradients as they are when it is asked for: ask before modifying them.
+        """
+        dev = self.device_stats(model, step)
+        cached = self._host is not None and self._dev_key is not None and self._host_key is self._dev_key
+        if cached and (not max_abs or dev is None or self._host.has_max_abs):
+            return self._host
+        if dev is None:
+            report = self._unavailable_report(step)
+        elif cached:  # the step's report exists; add the exact max |g| with one more transfer
+            report = self._host
+            self._fill_max(report, dev, torch.cat(self._best(self._param_max_abs(dev))).tolist())
+        else:
+            keys, extras = self._extras(dev.global_norm.device)
+            parts = [dev.group_norms, dev.nonfinite, dev.global_norm.reshape(1), *self._best(dev.param_norms)]
+            if max_abs:
+                parts += self._best(self._param_max_abs(dev))
+            if extras is not None:
+                parts.append(extras)
+            host = torch.cat(parts).tolist()  # the single device→host transfer
+            n_groups = len(dev.groups)
+            norms, bad = host[:n_groups], host[n_groups : 2 * n_groups]
+            global_norm, top_norm, top_arg = host[2 * n_groups : 2 * n_groups + 3]
+            rest = host[2 * n_groups + 3 :]
+            present = sorted(set(dev.group_ids))
+            report = GradReport(
+                step=step,
+                available=True,
+                global_norm=global_norm,
+                group_norms={dev.groups[g]: norms[g] for g in present},
+                nonfinite={dev.groups[g]: int(bad[g]) for g in present},
+                max_param_norm=top_norm if top_norm >= 0 else math.nan,
+                max_norm_param=dev.names[int(top_arg)] if top_norm >= 0 else None,
+                n_tensors=len(dev.names),
+            )
+            if max_abs:
+                self._fill_max(report, dev, rest[:2])
+                rest = rest[2:]
+            report.extras = dict(zip(keys, rest))
+        self._host, self._host_key = report, self._dev_key
+        return report
+
+    @staticmethod
+    def _fill_max(report: GradReport, dev: DeviceGradStats, value_arg: list[float]) -> None:
+        value, arg = value_arg
+        report.has_max_abs = True
+        if value >= 0:  # else every gradient is non-finite: there is no finite maximum (stays NaN / None)
+            report.max_abs, report.max_abs_param = value, dev.names[int(arg)]
+            report.max_abs_group = dev.groups[dev.group_ids[int(arg)]]
+
+    def _unavailable_report(self, step) -> GradReport:
+        present, grads = self._present()
+        device = next((p.device for _, p, _ in self._ensure_entries()), torch.device("cpu"))
+        keys, extras = self._extras(device)
+        reason = "sharded (DTensor) gradients are not read" if grads else "no parameter has a .grad"
+        values = extras.tolist() if extras is not None else []
+        return GradReport(step=step, available=False, reason=reason, extras=dict(zip(keys, values)))

@@ -1,0 +1,200 @@
+"""`LossMonitor`: loss spikes, a rising-and-accelerating loss (curvature rule), eval-loss plateau early stop.
+
+Which loss: the Trainer passes no per-step loss to callbacks, and its logged `loss` is an average over the
+logging interval with NaN replaced (`logging_nan_inf_filter`). The monitor uses the per-step loss recorded by
+`StepTap` from the model's forward output, which rides in the step's single `GradStats` transfer and is summed
+over ranks there, so it is the same on every rank and is never filtered. If the model returns no loss (a custom
+`compute_loss`), it falls back to the logged `loss` at each logging step.
+
+Curvature rule: the field notes say "l[i] - 2 l[i-1] + l[i-2] > 0.1 for 5 consecutive checks". A healthy,
+quickly *falling* loss is convex too (positive second difference), so the rule here also requires the loss to
+be rising (l[i] > l[i-1]) at each of those checks; otherwise every good warm-up would alert.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.grad_stats import GradStats
+from hf_stable.callbacks.monitor_utils import AlertGate, robust_zscore
+from hf_stable.callbacks.step_tap import StepTap
+
+
+class LossMonitor(StabilityCallback):
+    """Logs `loss/train` (per step, unfiltered), `loss/zscore`, `loss/curvature`; events `loss_spike`,
+    `loss_curvature`, `loss_plateau` (and stops training on a plateau when `plateau_early_stop`).
+
+    Args:
+        spike_window: steps of loss history for the robust z-score.
+        spike_min_history: no spike verdict before this much history.
+        spike_zscore: `loss_spike` when (loss - median) / (1.4826 MAD) exceeds this.
+        curvature_threshold: second difference above this (while rising) ...
+        curvature_patience: ... for this many consecutive checks → `loss_curvature`.
+        curvature_interval: steps per curvature check (l[i] = mean loss of the i-th interval).
+        plateau_window: eval loss flat over this many steps → `loss_plateau`.
+        plateau_delta: flat means max - min below this.
+        plateau_early_stop: set `control.should_training_stop` on a plateau.
+        cooldown_steps: steps before the same alert fires again.
+        enabled: when False the callback does nothing.
+
+    Example:
+        >>> LossMonitor(spike_zscore=5.0, plateau_window=500)
+    """
+
+    def __init__(
+        self,
+        spike_window: int = 100,
+        spike_min_history: int = 20,
+        spike_zscore: float = 6.0,
+        curvature_threshold: float = 0.1,
+        curvature_patience: int = 5,
+        curvature_interval: int = 1,
+        plateau_window: int = 200,
+        plateau_delta: float = 1e-3,
+        plateau_early_stop: bool = True,
+        cooldown_steps: int = 50,
+        enabled: bool = True,
+    ):
+        super().__init__(enabled)
+        self.spike_window = spike_window
+        self.spike_min_history = spike_min_history
+        self.spike_zscore = spike_zscore
+        self.curvature_threshold = curvature_threshold
+        self.curvature_patience = curvature_patience
+        self.curvature_interval = curvature_interval
+        self.plateau_window = plateau_window
+        self.plateau_delta = plateau_delta
+        self.plateau_early_stop = plateau_early_stop
+        self.cooldown_steps = cooldown_steps
+        self._gate = AlertGate(cooldown_steps)
+        self._history: deque[float] = deque(maxlen=spike_window)
+        self._interval: list[float] = []
+        self._checks: deque[float] = deque(maxlen=3)
+        self._curv_streak = 0
+        self._evals: list[tuple[int, float]] = []
+        self._plateau_fired = False
+        self._from_tap = False
+
+    @classmethod
+    def from_config(cls, cfg) -> LossMonitor:
+        names = ("spike_window", "spike_min_history", "spike_zscore", "curvature_threshold", "curvature_patience",
+                 "curvature_interval", "plateau_window", "plateau_delta", "plateau_early_stop", "cooldown_steps",
+                 "enabled")
+        return cls(**{n: getattr(cfg, n) for n in names})
+
+    def state_dict(self) -> dict:
+        return {
+            "history": list(self._history), "interval": list(self._interval), "checks": list(self._checks),
+            "curv_streak": self._curv_streak, "evals": [list(e) for e in self._evals],
+            "plateau_fired": self._plateau_fired, "gate": self._gate.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._history = deque((float(x) for x in state.get("history", [])), maxlen=self.spike_window)
+        self._interval = [float(x) for x in state.get("interval", [])]
+        self._checks = deque((float(x) for x in state.get("checks", [])), maxlen=3)
+        self._curv_streak = int(state.get("curv_streak", 0))
+        self._evals = [(int(s), float(v)) for s, v in state.get("evals", [])]
+        self._plateau_fired = bool(state.get("plateau_fired", False))
+        self._gate.load_state_dict(state.get("gate", {}))
+
+    # --- decisions (pure: testable on constructed traces) ------------------------------------------
+    def observe_loss(self, step: int, loss: float) -> list[dict]:
+        """Feed one step's training loss; returns the events written. Non-finite losses are not learned from."""
+        events: list[dict] = []
+        metrics = {"loss/train": loss}
+        if not math.isfinite(loss):
+            self.record(metrics)
+            return events  # NonFiniteLocator reports it; keep it out of the statistics
+        if len(self._history) >= self.spike_min_history:
+            z = robust_zscore(loss, list(self._history))
+            metrics["loss/zscore"] = z
+            if z > self.spike_zscore:
+                events += self._alert(step, "loss_spike", loss, self.spike_zscore, "warning",
+                                      f"loss {loss:.4g} is {z:.1f} robust standard deviations above the median of "
+                                      f"the last {len(self._history)} steps", zscore=z)
+        self._history.append(loss)
+        self._interval.append(loss)
+        if len(self._interval) >= self.curvature_interval:
+            events += self._curvature_check(step, sum(self._interval) / len(self._interval), metrics)
+            self._interval = []
+        self.record(metrics)
+        return events
+
+    def _curvature_check(self, step: int, value: float, metrics: dict) -> list[dict]:
+        self._checks.append(value)
+        if len(self._checks) < 3:
+            return []
+        l2, l1, l0 = self._checks
+        curvature = l0 - 2 * l1 + l2
+        metrics["loss/curvature"] = curvature
+        if curvature > self.curvature_threshold and l0 > l1:
+            self._curv_streak += 1
+        else:
+            self._curv_streak = 0
+        if self._curv_streak >= self.curvature_patience:
+            self._curv_streak = 0
+            return self._alert(step, "loss_curvature", curvature, self.curvature_threshold, "warning",
+                               f"loss rising and accelerating: second difference > {self.curvature_threshold:g} for "
+                               f"{self.curvature_patience} consecutive checks (LR too high or noisy data?)")
+        return []
+
+    def observe_eval(self, step: int, eval_loss: float) -> list[dict]:
+        """Feed one evaluation's loss; returns the plateau event when the eval loss stopped moving."""
+        if not math.isfinite(eval_loss):
+            return []
+        self._evals.append((step, eval_loss))
+        self._evals = [(s, v) for s, v in self._evals if s >= step - self.plateau_window]
+        if len(self._evals) < 2 or self._evals[0][0] > step - self.plateau_window or self._plateau_fired:
+            return []
+        values = [v for _, v in self._evals]
+        spread = max(values) - min(values)
+        self.record({"loss/eval_spread": spread})
+        if spread >= self.plateau_delta:
+            return []
+        self._plateau_fired = True
+        action = "; stopping training (plateau_early_stop)" if self.plateau_early_stop else ""
+        return [self.event(step, "loss_plateau",
+                           f"eval loss moved {spread:.2g} < {self.plateau_delta:g} over the last "
+                           f"{self.plateau_window} steps{action}", value=spread, threshold=self.plateau_delta,
+                           severity="info")]
+
+    def _alert(self, step, kind, value, threshold, severity, message, **extra) -> list[dict]:
+        suppressed = self._gate.allow(step, kind)
+        if suppressed is None:
+            return []
+        if suppressed:
+            message += f" ({suppressed} similar alerts suppressed since the last one)"
+        return [self.event(step, kind, message, value=value, threshold=threshold, severity=severity, **extra)]
+
+    # --- Trainer hooks ------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        super().on_train_begin(args, state, control, model=model, **kwargs)
+        if self.enabled and model is not None:
+            StepTap.shared(model).attach()
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.enabled and model is not None:
+            StepTap.shared(model).begin_step()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.enabled or model is None:
+            return
+        report = GradStats.shared(model).compute(model, step=state.global_step)
+        den = report.extras.get("loss_den", 0.0)
+        self._from_tap = bool(den)
+        if den:
+            self.observe_loss(state.global_step + 1, report.extras["loss_num"] / den)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.enabled and not self._from_tap and logs and "loss" in logs and "eval_loss" not in logs:
+            self.observe_loss(state.global_step, float(logs["loss"]))
+        super().on_log(args, state, control, logs=logs, **kwargs)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if not self.enabled or not metrics or "eval_loss" not in metrics:
+            return
+        if self.observe_eval(state.global_step, float(metrics["eval_loss"])) and self.plateau_early_stop:
+            control.should_training_stop = True

@@ -1,0 +1,209 @@
+"""`NonFiniteLocator`: on a NaN/Inf gradient or loss, name the parameters (and optionally the op) and the step.
+
+Where the gradients can be read matters. By `on_pre_optimizer_step` the Trainer has called
+`clip_grad_norm_(params, max_norm or inf)`, whose coefficient is NaN as soon as the total norm is non-finite,
+so one NaN gradient has turned *every* gradient into NaN (measured on transformers 5.24; see `grad_stats`).
+The locator therefore works in two stages:
+
+1. From the shared `GradStats`: if only some tensors are non-finite (no poisoning, e.g. a custom loop), those
+   are the culprits — no extra work.
+2. If every gradient is non-finite, it re-runs the step's micro-batches (captured by `StepTap`, no copies) on
+   the unwrapped model with `torch.autograd.grad`, which leaves `.grad` untouched, under a forked RNG so the
+   run's randomness is unchanged, and names the parameters whose fresh gradients are non-finite. With
+   `detect_anomaly=True` the re-run also names the backward op that produced the first NaN. Flags are
+   max-reduced over ranks, so every rank names the same parameters. The re-run costs one forward/backward of
+   the step, only on a failing step, at most `max_reruns` times per run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import torch
+
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.grad_stats import GradStats
+from hf_stable.callbacks.monitor_utils import AlertGate, uses_deepspeed, world_size
+from hf_stable.callbacks.step_tap import StepTap, _loss_of
+from hf_stable.logging import get_logger
+from hf_stable.optim.roles import classify
+
+logger = get_logger(__name__)
+_OP_RE = re.compile(r"Function '(\w+)' returned nan")
+
+
+class NonFiniteLocator(StabilityCallback):
+    """Names the parameters whose gradients are NaN/Inf (event `nonfinite_grad`) and flags a non-finite step
+    loss (event `nonfinite_loss`).
+
+    Args:
+        rerun: re-run the step's batches when every gradient is already NaN (see module docstring).
+        detect_anomaly: during the re-run use `torch.autograd.detect_anomaly` to name the op.
+        max_reruns: at most this many re-runs per training run.
+        max_names: parameter names listed in an event message (the event's `params` field keeps up to 100).
+        cooldown_steps: after an event, the same kind stays quiet this many steps (a run whose weights are
+            already NaN fails every step; suppressed steps are counted in the next event).
+        enabled: when False the callback does nothing.
+
+    Example:
+        >>> trainer = Trainer(..., callbacks=[NonFiniteLocator(detect_anomaly=True)])
+    """
+
+    def __init__(
+        self, rerun: bool = True, detect_anomaly: bool = False, max_reruns: int = 3, max_names: int = 20,
+        cooldown_steps: int = 50, enabled: bool = True,
+    ):
+        super().__init__(enabled)
+        self.rerun = rerun
+        self.detect_anomaly = detect_anomaly
+        self.max_reruns = max_reruns
+        self.max_names = max_names
+        self.cooldown_steps = cooldown_steps
+        self._gate = AlertGate(cooldown_steps)
+        self._reruns = 0
+        self._nonfinite_steps: list[int] = []
+        self._off = False
+        self.last_located: dict | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> NonFiniteLocator:
+        return cls(rerun=cfg.rerun, detect_anomaly=cfg.detect_anomaly, max_reruns=cfg.max_reruns,
+                   max_names=cfg.max_names, cooldown_steps=cfg.cooldown_steps, enabled=cfg.enabled)
+
+    def state_dict(self) -> dict:
+        return {"reruns": self._reruns, "nonfinite_steps": self._nonfinite_steps[-100:],
+                "gate": self._gate.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._reruns = int(state.get("reruns", 0))
+        self._nonfinite_steps = [int(s) for s in state.get("nonfinite_steps", [])]
+        self._gate.load_state_dict(state.get("gate", {}))
+
+    # --- Trainer hooks ------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        super().on_train_begin(args, state, control, model=model, **kwargs)
+        self._off = uses_deepspeed(args)
+        if self.enabled and model is not None:
+            StepTap.shared(model).attach()
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.enabled and model is not None:
+            StepTap.shared(model).begin_step()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.enabled or model is None:
+            return
+        stats = GradStats.shared(model)
+        report = stats.compute(model, step=state.global_step)
+        step = state.global_step + 1
+        num, den = report.extras.get("loss_num"), report.extras.get("loss_den")
+        if den and not math.isfinite(num) and (suppressed := self._gate.allow(step, "nonfinite_loss")) is not None:
+            more = f" ({suppressed} later non-finite steps suppressed before this one)" if suppressed else ""
+            self.event(step, "nonfinite_loss", f"the training loss of step {step} is {num / den}{more}",
+                       value=num / den, severity="error")
+        if self._off or not report.available or report.nonfinite_total == 0:
+            return
+        self._nonfinite_steps.append(step)
+        suppressed = self._gate.allow(step, "nonfinite_grad")
+        if suppressed is None:
+            return
+        dev = stats.device_stats(model, step=state.global_step)
+        flags = (~torch.isfinite(dev.param_norms)).tolist()  # second transfer: failing steps only
+        names = [n for n, bad in zip(dev.names, flags) if bad]
+        how, op = "gradients", None
+        if len(names) == len(dev.names) and len(names) > 1:
+            located, why = None, "switched off" if not self.rerun else f"used up (max_reruns={self.max_reruns})"
+            if self.rerun and self._reruns < self.max_reruns:
+                located, op = self._rerun(model, dev, args)
+                why = "not possible (no captured batch or no loss)"
+            if located is not None:
+                names, how = located, "a re-run of the step (the Trainer's norm call had spread NaN to all)"
+            else:
+                how = ("gradients - every one is NaN, as the Trainer's clip_grad_norm_ spreads a NaN to all; the "
+                       f"re-run to find the source was {why}")
+        self._report(step, names, how, op, dev, suppressed)
+
+    # --- locating ---------------------------------------------------------------------------------------
+    def _rerun(self, model, dev, args) -> tuple[list[str] | None, str | None]:
+        """Fresh gradients of the step's micro-batches; every rank reaches the one collective, even on failure."""
+        tap = StepTap.shared(model)
+        self._reruns += 1
+        params = dev.params
+        # last slot: 1 when this rank could not re-run (no inputs, no loss, an error) - then nobody trusts it
+        bad = torch.zeros(len(params) + 1, dtype=torch.float32, device=dev.param_norms.device)
+        bad[-1] = float(not tap.inputs)
+        op = None
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with tap.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
+            for call_args, call_kwargs in tap.inputs:
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        grads, op_here = self._grads_once(model, params, call_args, call_kwargs)
+                except RuntimeError as e:  # a re-run that fails (e.g. OOM) must not kill training
+                    logger.warning("non-finite locator: re-run failed (%s); naming from gradients only", e)
+                    grads, op_here = None, None
+                op = op or op_here
+                if grads is None:
+                    bad[-1] = 1.0
+                    break
+                norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).to(bad.device)
+                bad[:-1] = torch.maximum(bad[:-1], (~torch.isfinite(norms)).to(torch.float32))
+        if world_size() > 1:
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        flags = bad.tolist()
+        if flags[-1]:
+            return None, op
+        names = [n for n, f in zip(dev.names, flags) if f]
+        return (names or None), op
+
+    def _grads_once(self, model, params, call_args, call_kwargs):
+        """Gradients of one micro-batch (and, under detect_anomaly, the backward op that first made a NaN)."""
+        op = None
+        if self.detect_anomaly:
+            try:
+                with torch.autograd.detect_anomaly(check_nan=True):
+                    return self._grads(model, params, call_args, call_kwargs), None
+            except RuntimeError as e:
+                match = _OP_RE.search(str(e))
+                if match is None:
+                    raise
+                op = match.group(1)  # anomaly mode stopped at the first NaN; run again for every gradient
+        return self._grads(model, params, call_args, call_kwargs), op
+
+    @staticmethod
+    def _grads(model, params, call_args, call_kwargs):
+        loss = _loss_of(model(*call_args, **call_kwargs))
+        if loss is None:
+            return None
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return [g if g is not None else torch.zeros((), device=loss.device) for g in grads]
+
+    def _report(self, step: int, names: list[str], how: str, op: str | None, dev, suppressed: int) -> None:
+        groups: dict[str, int] = {}
+        for n in names:
+            g = classify(n).group
+            groups[g] = groups.get(g, 0) + 1
+        listed = ", ".join(names[: self.max_names]) + (f" (+{len(names) - self.max_names} more)"
+                                                        if len(names) > self.max_names else "")
+        where = f"; first NaN produced by backward op {op}" if op else ""
+        if op is None and self.detect_anomaly and "re-run" in how:
+            where = "; no backward op produced it (a gradient hook, or NaN already in the inputs or weights)"
+        with torch.no_grad():
+            weights = torch.stack(torch._foreach_norm([p.detach() for p in dev.params], 2.0, dtype=torch.float32))
+            n_bad_weights = int((~torch.isfinite(weights)).sum())
+        if n_bad_weights:
+            where += f"; {n_bad_weights} weight tensor(s) are already non-finite (an earlier update corrupted them)"
+        if suppressed:
+            where += f" ({suppressed} non-finite steps suppressed since the last event)"
+        first_group = next(iter(groups), None)
+        self.last_located = {"step": step, "params": names, "groups": groups, "op": op}
+        self.event(
+            step, "nonfinite_grad",
+            f"non-finite gradient in {len(names)} tensor(s) at step {step}, found by {how}: {listed}{where}",
+            group=first_group if len(groups) == 1 else ",".join(groups)[:200], value=len(names),
+            threshold=0, severity="error", params=names[:100], groups=groups, op=op,
+            nonfinite_weights=n_bad_weights,
+        )

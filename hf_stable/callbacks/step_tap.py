@@ -1,0 +1,155 @@
+"""`StepTap`: forward hooks on the training model that see what the Trainer does not pass to callbacks.
+
+The Trainer hands callbacks neither the step's loss nor its batch. Two module hooks on the (unwrapped) model
+recover both, at the cost of one Python call per forward and no device sync:
+
+* the **loss** of every training micro-batch, accumulated on device and attached to the step's single
+  `GradStats` transfer (summed over ranks there). Unlike the Trainer's logged `loss`, it is per step and is
+  not hidden when non-finite (`logging_nan_inf_filter` replaces a NaN loss by the running mean);
+* the **inputs** of every micro-batch (references, no copy), so the non-finite locator can re-run the step;
+* the **token count** (input shape, padding included; exact for padding-free packed batches).
+
+Only forwards in training mode with grad enabled are recorded (evaluation and generation are ignored).
+
+Loss arithmetic: the step loss is the token-weighted mean over the whole global batch, independent of how the
+Trainer scales things. For each micro-batch the hook turns the model's loss back into a token *sum*: times
+`num_items_in_batch` when the Trainer passed it (the model then returns `sum / num_items`), else times the
+number of supervised tokens (`labels[..., 1:] != -100`, a mean loss). Sums and token counts are added on device
+and summed over ranks in the `GradStats` transfer: `loss = loss_num / loss_den`. Without labels in the inputs
+(a custom `compute_loss`) each micro-batch loss counts once (mean of micro-batch losses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _loss_of(output):
+    if isinstance(output, dict) or hasattr(output, "keys"):
+        loss = output.get("loss") if hasattr(output, "get") else None
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        loss = output[0] if output[0].dim() == 0 else None
+    else:
+        loss = None
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+class StepTap:
+    """Records the training step's inputs, token count and loss through forward hooks on `model`.
+
+    Args:
+        model: the unwrapped model the Trainer trains (the callback kwarg `model`).
+
+    Example:
+        >>> tap = StepTap.shared(model)
+        >>> tap.attach()
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self._model_ref = weakref.ref(model)
+        self._handles: list = []
+        self._paused = False
+        self.inputs: list[tuple[tuple, dict]] = []
+        self.tokens = 0
+        self._num: torch.Tensor | None = None
+        self._den = 0.0
+        self.n_losses = 0
+
+    @classmethod
+    def shared(cls, model: torch.nn.Module) -> StepTap:
+        tap = _SHARED.get(model)
+        if tap is None:
+            tap = _SHARED[model] = cls(model)
+        return tap
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self) -> StepTap:
+        """Register the hooks once (idempotent) and hook the loss into `GradStats.shared(model)`."""
+        model = self._model_ref()
+        if model is None or self._handles:
+            return self
+        self._handles = [
+            model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+            model.register_forward_hook(self._post_hook, with_kwargs=True),
+        ]
+        from hf_stable.callbacks.grad_stats import GradStats
+
+        GradStats.shared(model).add_source("step_tap", self.device_scalars)
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def begin_step(self) -> None:
+        """Forget the previous step (called from `on_step_begin`; calling it twice is harmless)."""
+        self.inputs = []
+        self.tokens = 0
+        self._num, self._den, self.n_losses = None, 0.0, 0
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Do not record forwards inside this block (used by re-runs)."""
+        old, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = old
+
+    def _recording(self, module) -> bool:
+        return not self._paused and module.training and torch.is_grad_enabled()
+
+    def _pre_hook(self, module, args, kwargs):
+        if not self._recording(module):
+            return None
+        self.inputs.append((args, kwargs))
+        ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+        if isinstance(ids, torch.Tensor):
+            self.tokens += ids.numel()
+        elif isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
+            self.tokens += int(kwargs["inputs_embeds"].shape[:-1].numel())
+        return None
+
+    def _post_hook(self, module, args, kwargs, output):
+        if not self._recording(module):
+            return None
+        loss = _loss_of(output)
+        if loss is None:
+            return None
+        loss = loss.detach().to(torch.float32).reshape(())
+        labels = kwargs.get("shift_labels")
+        if not isinstance(labels, torch.Tensor):
+            labels = kwargs.get("labels")
+            labels = labels[..., 1:] if isinstance(labels, torch.Tensor) and labels.dim() >= 1 else None
+        num_items = kwargs.get("num_items_in_batch")
+        if num_items is not None:
+            weight = num_items.to(loss.device, torch.float32) if isinstance(num_items, torch.Tensor) else num_items
+        elif labels is not None:
+            weight = labels.ne(-100).sum().to(torch.float32)
+        else:
+            weight = 1.0
+        tokens = labels.ne(-100).sum().to(torch.float32) if labels is not None else torch.ones_like(loss)
+        total = loss * weight
+        self._num = total if self._num is None else self._num + total
+        self._den = tokens if isinstance(self._den, float) else self._den + tokens
+        self.n_losses += 1
+        return None
+
+    def device_scalars(self) -> dict[str, torch.Tensor]:
+        """`loss_num` and `loss_den` as device tensors; zeros when no loss was seen (the keys are always there,
+        so every rank joins the same all-reduce)."""
+        if self._num is None:
+            model = self._model_ref()
+            device = next(model.parameters()).device if model is not None else torch.device("cpu")
+            zero = torch.zeros((), dtype=torch.float32, device=device)
+            return {"loss_num": zero, "loss_den": zero}
+        return {"loss_num": self._num, "loss_den": self._den.to(self._num.device)}

@@ -1,0 +1,199 @@
+"""`run_doctor`: environment → config hazards → dry run, as one report; `preflight` for the recipe.
+
+Every check turns its failure into a finding instead of an exception: a doctor that crashes on the broken
+config it was asked to diagnose is no use. Checks that need something an earlier one could not provide (no
+model because the LoRA targets match nothing, no data because the file is malformed) are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+from hf_stable.config.doctor import DoctorConfig
+from hf_stable.doctor.dry_run import dry_run as run_dry_run
+from hf_stable.doctor.environment import check_environment
+from hf_stable.doctor.findings import DoctorReport, Finding
+from hf_stable.doctor.hazards import check_hazards
+from hf_stable.doctor.probes import meta_model_facts, model_facts
+from hf_stable.doctor.report import render_text, save_report
+from hf_stable.doctor.settings import doctor_settings, resolve_settings
+from hf_stable.errors import HfStableError
+from hf_stable.logging import get_logger, is_main_process, print_main
+
+logger = get_logger(__name__)
+
+
+class DoctorBlockingError(HfStableError):
+    """The doctor found a blocking problem and `doctor_checks.allow_blocking` is off (the recipe refuses to start)."""
+
+
+def _crash(check: str, what: str, e: BaseException) -> Finding:
+    if isinstance(e, HfStableError):
+        return Finding("error", what, str(e), "fix the problem named above", check=check)
+    where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    loc = f" at {where.filename.rsplit('/', 1)[-1]}:{where.lineno}" if where else ""
+    return Finding("error", what, f"{type(e).__name__}: {e}{loc}", "report this with the config attached", check=check)
+
+
+def run_doctor(
+    cfg,
+    *,
+    dry_run: bool = True,
+    args=None,
+    model=None,
+    tokenizer=None,
+    data=None,
+    collator=None,
+    settings: DoctorConfig | None = None,
+    output_dir=None,
+) -> DoctorReport:
+    """Run every preflight check on a `RunConfig` and return the findings.
+
+    Args:
+        cfg: the run's `RunConfig` (e.g. from `load_config`).
+        dry_run: run the few-step dry run (also needs `settings.dry_run`); False = environment and hazards only.
+        args: the recipe's `TrainingArguments` (built from `cfg` when None).
+        model: the model to train, already LoRA-wrapped (loaded from `cfg` when None). Its trainable weights
+            are restored after the dry run.
+        tokenizer, data: the run's tokenizer and `DataBundle` (built from `cfg` when None).
+        collator: the data collator training will use (default: `data.collator`, hf_stable's own). Pass a
+            user collator to check that it supervises EOS and pads on the right.
+        settings: the doctor's thresholds (default: `cfg.doctor_checks` when present, else `DoctorConfig()`).
+        output_dir: when given, `doctor_report.json` / `.md` are written there.
+
+    Returns:
+        A `DoctorReport`; `report.exit_code` is 1 when a blocking (error) finding exists.
+
+    Example:
+        >>> report = run_doctor(load_config("configs/default.yaml"))
+        >>> report.exit_code, [f.what for f in report.blocking_findings()]
+        (0, [])
+        >>> print(render_text(report))
+    """
+    started = time.time()
+    doctor = doctor_settings(cfg, settings)
+    report = DoctorReport(config_source=getattr(cfg, "source", None))
+    s = resolve_settings(cfg, args, remove_unused_columns=False)
+
+    try:
+        env_facts, env_findings = check_environment(cfg, s, doctor)
+        report.facts["environment"] = env_facts
+        report.add(env_findings)
+    except Exception as e:  # a driver in a bad state must not hide the config checks
+        report.add(_crash("environment.crash", "the environment could not be read", e))
+
+    base = None
+    if model is None or tokenizer is None:
+        try:
+            from hf_stable.modeling import load_tokenizer, resolve_base
+
+            base = resolve_base(cfg.model)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, base)
+        except Exception as e:
+            report.add(_crash("hazards.model", "the base model / tokenizer cannot be loaded", e))
+    facts = None
+    try:
+        facts = model_facts(model) if model is not None else meta_model_facts(cfg, base) if base else None
+    except Exception as e:
+        report.add(_crash("hazards.model", "the model config cannot be read", e))
+    if data is None and tokenizer is not None:
+        try:
+            from hf_stable.data import build_data
+
+            data = build_data(cfg.data, tokenizer, seed=int(s.get("seed", 42)), batch_size=s.micro_batch)
+        except Exception as e:
+            report.add(_crash("hazards.data", "the training data cannot be built", e))
+    if data is not None:
+        report.facts["data"] = {"train_samples": len(data.train_dataset), "stats": getattr(data, "stats", {})}
+        for name, audit in (getattr(data, "audit", None) or {}).items():
+            for alert in (audit or {}).get("alerts", []):
+                path = getattr(cfg.data, f"{name}_file", None)
+                report.add(Finding("warning", f"data audit ({name}): {alert}", f"data.{name}_file={path}",
+                                   "inspect it with `hf-stable audit FILE --tokenizer DIR` (details per record)",
+                                   check="hazards.data_audit"))  # fmt: skip
+    try:
+        report.add(check_hazards(
+            cfg, s, doctor, facts=facts, tokenizer=tokenizer,
+            collator=collator if collator is not None else getattr(data, "collator", None),
+            n_train=len(data.train_dataset) if data is not None else None,
+        ))  # fmt: skip
+    except Exception as e:
+        report.add(_crash("hazards.crash", "a config check failed", e))
+
+    if dry_run and doctor.dry_run:
+        _dry_run(report, cfg, s, doctor, base, model, data)
+    report.seconds = time.time() - started
+    if output_dir is not None and is_main_process():
+        save_report(report, output_dir)
+    return report
+
+
+def _dry_run(report: DoctorReport, cfg, s, doctor: DoctorConfig, base, model, data) -> None:
+    blockers = [f.check for f in report.blocking_findings()]
+    if blockers or data is None:
+        why = ", ".join(sorted(set(blockers))) or "no data"
+        report.add(Finding("info", "dry run skipped until the blocking findings are fixed", why,
+                           check="dry_run.skipped"))  # fmt: skip
+        return
+    sharded = [k for k in ("deepspeed", "fsdp") if s.get(k)]
+    if sharded:
+        report.add(Finding(
+            "info", f"dry run skipped: training.{sharded[0]} shards the model only once the Trainer wraps it",
+            f"training.{sharded[0]}={s.get(sharded[0])!r}",
+            "run `hf-stable doctor` without the sharding keys on one GPU (smaller micro-batch) to dry-run the rest",
+            check="dry_run.skipped",
+        ))  # fmt: skip
+        return
+    try:
+        if model is None:
+            from transformers import set_seed
+
+            from hf_stable.modeling import apply_lora, load_model
+
+            set_seed(int(s.get("seed", 42)))  # the LoRA init is random: seed it so the report is reproducible
+            model = apply_lora(load_model(cfg, base), cfg.lora, gradient_checkpointing=s.gradient_checkpointing)
+        facts, findings = run_dry_run(model, data, cfg, s, doctor)
+    except Exception as e:
+        report.add(_crash("dry_run.crash", "the dry run failed", e))
+        return
+    report.facts["dry_run"] = facts
+    report.add(findings)
+
+
+def blocking_on_any_rank(report: DoctorReport) -> bool:
+    """True when any rank's report blocks, so every rank takes the same start/refuse decision (no DDP hang)."""
+    import torch
+
+    blocking = report.blocking
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        flag = torch.tensor([int(blocking)], device="cuda" if torch.cuda.is_available() else "cpu")
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        blocking = bool(flag.item())
+    return blocking
+
+
+def preflight(cfg, args, *, model, tokenizer, data, output_dir=None) -> DoctorReport:
+    """The recipe's one call: run the doctor on the built pieces, print and save the report, refuse to start
+    on a blocking finding unless `doctor_checks.allow_blocking` is set.
+
+    Raises:
+        DoctorBlockingError: a blocking finding on any rank, with the findings in the message.
+    """
+    doctor = doctor_settings(cfg)
+    report = run_doctor(cfg, args=args, model=model, tokenizer=tokenizer, data=data,
+                        output_dir=output_dir or args.output_dir)  # fmt: skip
+    print_main(render_text(report))
+    if blocking_on_any_rank(report):
+        lines = [f"{f.check}: {f.what} ({f.evidence}) -> {f.fix}" for f in report.blocking_findings()]
+        lines = lines or ["another rank found a blocking problem (its report is printed on that rank)"]
+        if doctor.allow_blocking:
+            logger.warning("doctor found blocking problems; starting anyway (doctor_checks.allow_blocking):\n%s",
+                           "\n".join(lines))  # fmt: skip
+        else:
+            raise DoctorBlockingError(
+                "the preflight doctor found blocking problems (report in doctor_report.md):\n  - "
+                + "\n  - ".join(lines)
+                + "\nFix them, or set doctor_checks.allow_blocking: true to train anyway."
+            )
+    return report

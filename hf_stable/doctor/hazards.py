@@ -1,0 +1,245 @@
+"""Config hazards: settings that are legal but known to break or silently degrade fine-tuning.
+
+No model is run here. The checks read the resolved training values, the config sections, a weight-free view
+of the model (module names, `model_type`) and two probe samples through the collator.
+"""
+
+from __future__ import annotations
+
+from hf_stable.config.doctor import DoctorConfig
+from hf_stable.doctor.findings import Finding
+from hf_stable.doctor.probes import LORA_WRAPPABLE, ModelFacts, match_targets, probe_collator
+from hf_stable.doctor.settings import TrainingSettings, world_size
+
+# Learning rates outside these envelopes are "far outside the usual range" (base LR, the top of the LLRD
+# ladder). Lion's sign update has a fixed magnitude per element, hence its 3-10x smaller LR than AdamW.
+USUAL_LR = {
+    "adamw": {"lora": (1e-6, 3e-3), "full": (1e-7, 3e-4)},
+    "lion": {"lora": (1e-7, 3e-4), "full": (1e-8, 1e-4)},
+    "sgd": {"lora": (1e-4, 1.0), "full": (1e-5, 0.3)},
+}
+# How the LR follows the effective batch (hf_stable.optim.rescale_lr): linear keeps SGD's per-sample step,
+# sqrt keeps the update noise of Adam-type optimizers roughly constant. Heuristics, not laws.
+LR_RULE = {"adamw": "sqrt", "lion": "sqrt", "sgd": "linear"}
+_CLIP_SECTIONS = ("clip", "clipping", "grad_clip", "module_clip", "per_module_clip")
+
+
+def _f(severity: str, name: str, what: str, evidence: str = "", fix: str = "") -> Finding:
+    return Finding(severity, what, evidence, fix, check=f"hazards.{name}")
+
+
+def _fp16(cfg, s: TrainingSettings) -> bool:
+    return s.fp16 or cfg.model.dtype == "float16"
+
+
+def check_training_arguments(s: TrainingSettings) -> list[Finding]:
+    if s.error:
+        return [_f("error", "training_arguments", "transformers.TrainingArguments rejects the training section",
+                   s.error,
+                   "fix the training: values named above (or run on hardware that supports them)")]  # fmt: skip
+    return []
+
+
+def check_fp16_eps(cfg, s: TrainingSettings) -> list[Finding]:
+    eps, floor, guard = float(s.get("adam_epsilon", 1e-8)), cfg.optim.fp16_eps_min, cfg.optim.fp16_eps_guard
+    if not (_fp16(cfg, s) and cfg.optim.name == "adamw" and eps < floor):
+        return []
+    evidence = f"training.adam_epsilon={eps:g} < optim.fp16_eps_min={floor:g}; fp16's smallest subnormal is ~6e-8"
+    fix = f"set training.adam_epsilon: {floor:g} (or train in bf16)"
+    if guard == "clamp":
+        return [_f("info", "fp16_adam_eps", "fp16 with AdamW eps below fp16 resolution: the optimizer factory will "
+                   f"raise it to {floor:g}", evidence, fix)]  # fmt: skip
+    severity = "error" if guard == "error" else "warning"
+    return [_f(severity, "fp16_adam_eps", "fp16 with AdamW eps below fp16 resolution", f"{evidence}; "
+               f"optim.fp16_eps_guard={guard}", fix)]  # fmt: skip
+
+
+def check_fp16_family(cfg, s: TrainingSettings, facts: ModelFacts | None, doctor: DoctorConfig) -> list[Finding]:
+    if not _fp16(cfg, s) or facts is None or facts.model_type not in doctor.fp16_overflow_families:
+        return []
+    return [_f("warning", "fp16_family", f"fp16 on a '{facts.model_type}' model, a family known to overflow in fp16",
+               f"model_type={facts.model_type}; training.fp16={s.fp16}, model.dtype={cfg.model.dtype}",
+               "train in bf16 (training.bf16: true, training.fp16: false) on a GPU with compute capability >= 8.0")]
+
+
+def check_collator(tokenizer, collator) -> list[Finding]:
+    """pad == eos with EOS supervision, and padding side (tokenizer and collator)."""
+    out = []
+    if tokenizer is None:
+        return out
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    if tokenizer.padding_side == "left":
+        out.append(_f("warning", "padding_side", "the tokenizer pads on the left for training",
+                      "tokenizer.padding_side='left'",
+                      "set tokenizer.padding_side = 'right' for training (left is for batched "
+                      "generation)"))  # fmt: skip
+    if collator is None:
+        return out
+    probe = probe_collator(collator, tokenizer)
+    name = type(collator).__name__
+    if probe.ok and probe.padding_side == "left":
+        out.append(_f("warning", "padding_side", f"the data collator ({name}) pads on the left for training",
+                      "probe: the shorter sample ends at the last column",
+                      "use right padding for training (hf_stable.data.PaddingCollator(pad_id))"))  # fmt: skip
+    if not probe.ok:
+        out.append(_f("warning", "eos_supervision", f"could not verify that {name} supervises EOS", probe.error,
+                      "use hf_stable's collator (hf_stable.data.build_data) or check the labels at EOS yourself"))
+    elif not probe.eos_supervised:
+        why = ("pad == eos and the collator masks labels by token id, so every EOS is masked"
+               if pad == eos else "the label at the final EOS is -100 (or there are no labels)")
+        out.append(_f("warning", "eos_supervision", f"{name} does not supervise EOS: the model will not learn to stop",
+                      f"{why}; pad_token_id={pad}, eos_token_id={eos}" + (f"; {probe.error}" if probe.error else ""),
+                      "use hf_stable's collator, which masks padding by position (data.build_data), or give the "
+                      "tokenizer a pad token distinct from EOS"))  # fmt: skip
+    elif pad == eos:
+        out.append(_f("info", "eos_supervision", f"pad == eos: safe, {name} supervises EOS by position",
+                      f"pad_token_id = eos_token_id = {eos}; probe: EOS label kept on both samples"))  # fmt: skip
+    else:
+        out.append(_f("ok", "eos_supervision", f"{name} supervises EOS", f"pad {pad} != eos {eos}; probe passed"))
+    return out
+
+
+def check_lora_targets(cfg, facts: ModelFacts | None) -> list[Finding]:
+    if not cfg.lora.enabled or facts is None:
+        return []
+    matched = match_targets(cfg.lora.target_modules, facts.modules)
+    missing = [t for t, names in matched.items() if not names]
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in facts.modules if not n.rsplit(".", 1)[-1].isdigit()})
+    sample = ", ".join(x for x in leaves if x not in ("model", "layers"))[:300]
+    if len(missing) == len(matched):
+        return [_f("error", "lora_targets", "lora.target_modules match no module of the model: LoRA would train "
+                   "nothing", f"target_modules={cfg.lora.target_modules}; module names include: {sample}",
+                   "name modules the model has (e.g. q_proj, v_proj for Llama/Qwen)")]  # fmt: skip
+    out = []
+    if missing:
+        out.append(_f("warning", "lora_targets", f"lora.target_modules {missing} match nothing (ignored)",
+                      f"model_type={facts.model_type}; module names include: {sample}",
+                      f"remove {missing} from lora.target_modules or fix their spelling"))  # fmt: skip
+    unwrappable = {
+        t: sorted({facts.modules[n] for n in names})
+        for t, names in matched.items()
+        if names and not any(facts.modules[n] in LORA_WRAPPABLE for n in names)
+    }
+    if unwrappable:
+        out.append(_f("error", "lora_targets", "lora.target_modules name containers peft cannot wrap",
+                      "; ".join(f"{t} -> {', '.join(c)}" for t, c in unwrappable.items()),
+                      "target the Linear layers inside them (e.g. gate_proj, up_proj, down_proj instead of mlp)"))
+    if not out:
+        n = sum(len(v) for v in matched.values())
+        out.append(_f("ok", "lora_targets", f"lora.target_modules match {n} modules",
+                      ", ".join(f"{t}: {len(v)}" for t, v in matched.items())))  # fmt: skip
+    return out
+
+
+def check_learning_rate(cfg, s: TrainingSettings) -> list[Finding]:
+    name, lr = cfg.optim.name, s.learning_rate
+    kind = "lora" if cfg.lora.enabled else "full"
+    lo, hi = USUAL_LR.get(name, USUAL_LR["adamw"])[kind]
+    evidence = f"training.learning_rate={lr:g} with optim.name={name} ({kind} fine-tune); usual {lo:g} .. {hi:g}"
+    if lo <= lr <= hi:
+        return [_f("ok", "learning_rate", f"learning rate {lr:g} is in the usual range for {name}", evidence)]
+    if name == "lion" and lr > hi:
+        what, fix = (f"Lion with an AdamW-sized learning rate ({lr:g})",
+                     f"Lion wants a 3-10x smaller LR than AdamW: try {lr / 10:.2g} .. {lr / 3:.2g}")  # fmt: skip
+    elif lr > hi:
+        what, fix = f"learning rate {lr:g} is far above the usual range for {name}", f"try <= {hi:g}"
+    else:
+        what, fix = f"learning rate {lr:g} is far below the usual range for {name}", f"try >= {lo:g}"
+    return [_f("warning", "learning_rate", what, evidence, fix)]
+
+
+def check_effective_batch(cfg, s: TrainingSettings, doctor: DoctorConfig, n_train: int | None = None) -> list[Finding]:
+    from hf_stable.optim import rescale_lr
+
+    eff, rule, lr = s.effective_batch, LR_RULE.get(cfg.optim.name, "sqrt"), s.learning_rate
+    formula = "b_new/b_old" if rule == "linear" else "sqrt(b_new/b_old)"
+    evidence = (f"{s.micro_batch} per device x {s.accumulation} accumulation x {world_size()} process(es) = {eff}; "
+                f"LR rule for {cfg.optim.name}: {rule} (lr x {formula})")  # fmt: skip
+    out = []
+    ref = doctor.reference_batch
+    if ref is not None and ref != eff:
+        new = rescale_lr(lr, ref, eff, rule)
+        out.append(_f("warning", "effective_batch",
+                      f"effective batch {eff} differs from the {ref} the LR was tuned at",
+                      f"{evidence}; training.learning_rate={lr:g}",
+                      f"set training.learning_rate: {new:.3g} ({rule} rule), or keep the batch at {ref}"))  # fmt: skip
+    if n_train is not None and eff > n_train:
+        out.append(_f("warning", "effective_batch", f"effective batch {eff} is larger than the training set",
+                      f"{n_train} training samples; every step sees the whole set",
+                      "lower per_device_train_batch_size / gradient_accumulation_steps or add data"))  # fmt: skip
+    if not out:
+        out.append(_f("info", "effective_batch", f"effective batch {eff} at learning rate {lr:g}",
+                      evidence + ("" if ref is None else f"; matches doctor_checks.reference_batch={ref}"),
+                      "when the batch changes (more GPUs, accumulation), rescale the LR with "
+                      "hf_stable.optim.rescale_lr"))  # fmt: skip
+    return out
+
+
+def hf_stable_clipping(cfg) -> str | None:
+    """The name of an enabled hf_stable clipping section under `stability.guards`, else None."""
+    guards = getattr(getattr(cfg, "stability", None), "guards", None)
+    if guards is None or not getattr(guards, "enabled", True):
+        return None
+    for name in _CLIP_SECTIONS:
+        section = getattr(guards, name, None)
+        if section is not None and getattr(section, "enabled", bool(section)):
+            return f"stability.guards.{name}"
+    return None
+
+
+def check_double_clipping(cfg, s: TrainingSettings) -> list[Finding]:
+    """The recipe sets max_grad_norm=0 when hf_stable clips, so only a value the user wrote (or arguments handed
+    in by a script of their own) can clip twice."""
+    section = hf_stable_clipping(cfg)
+    if "max_grad_norm" in s.explicit:
+        norm, where = float(cfg.training.get("max_grad_norm") or 0.0), "set in training:"
+    elif s.from_caller:
+        norm, where = float(s.get("max_grad_norm", 0.0) or 0.0), "in the TrainingArguments passed in"
+    else:
+        norm, where = 0.0, ""
+    if section is None or norm <= 0:
+        return []
+    return [_f("warning", "double_clipping", "two gradient clippers: Trainer's max_grad_norm and hf_stable's",
+               f"training.max_grad_norm={norm:g} ({where}) and {section}.enabled; the Trainer clips first, so "
+               "hf_stable's per-group thresholds see already-clipped gradients",
+               "set training.max_grad_norm: 0 and let hf_stable clip")]  # fmt: skip
+
+
+def check_checkpointing(s: TrainingSettings) -> list[Finding]:
+    if not s.gradient_checkpointing:
+        return []
+    kwargs = s.checkpointing_kwargs
+    reentrant = None if kwargs is None else kwargs.get("use_reentrant", "unset")
+    if reentrant is True or reentrant == "unset":
+        why = ("use_reentrant=True" if reentrant is True
+               else "kwargs without use_reentrant (torch then defaults to True)")  # fmt: skip
+        return [_f("warning", "checkpointing", "gradient checkpointing with the reentrant implementation",
+                   f"training.gradient_checkpointing_kwargs={kwargs} -> {why}; the reentrant variant gives a "
+                   "checkpointed block no gradient unless one of its inputs requires grad (a frozen-base LoRA "
+                   "depends on enable_input_require_grads) and fails under DDP with find_unused_parameters "
+                   "('marked ready twice'); PyTorch recommends use_reentrant=False",
+                   "set training.gradient_checkpointing_kwargs: {use_reentrant: false}")]  # fmt: skip
+    return [_f("ok", "checkpointing", "gradient checkpointing is non-reentrant", f"kwargs={kwargs}")]
+
+
+def check_hazards(
+    cfg,
+    s: TrainingSettings,
+    doctor: DoctorConfig,
+    *,
+    facts: ModelFacts | None = None,
+    tokenizer=None,
+    collator=None,
+    n_train: int | None = None,
+) -> list[Finding]:
+    """Every config hazard; checks whose inputs are missing (no model facts, no tokenizer) are skipped."""
+    out = check_training_arguments(s)
+    out += check_fp16_eps(cfg, s)
+    out += check_fp16_family(cfg, s, facts, doctor)
+    out += check_collator(tokenizer, collator)
+    out += check_lora_targets(cfg, facts)
+    out += check_learning_rate(cfg, s)
+    out += check_effective_batch(cfg, s, doctor, n_train)
+    out += check_double_clipping(cfg, s)
+    out += check_checkpointing(s)
+    return out

@@ -1,0 +1,142 @@
+"""Cheap probes the hazard checks rely on: a weight-free view of the model and a behavioural collator test.
+
+Why probe instead of trusting types: whether EOS stays supervised or padding goes left is a property of what a
+collator *does*; feeding it two known samples answers that for any collator, ours or a user's. Likewise the
+LoRA-target check needs module names and types, which a model built on the meta device gives for free (no
+weights are read or allocated, so it works for a 70B config on a laptop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+IGNORE = -100
+
+
+@dataclass
+class ModelFacts:
+    """What the hazard checks need to know about a model, without running it.
+
+    Args:
+        model_type: ``config.model_type`` (e.g. "llama", "qwen2"), or "" when unknown.
+        modules: module name → class name, for every named module.
+        num_layers: decoder layers (0 when unknown).
+    """
+
+    model_type: str = ""
+    modules: dict[str, str] = field(default_factory=dict)
+    num_layers: int = 0
+
+
+# Layer classes peft's LoRA can wrap (transformers' GPT-2 style Conv1D included).
+LORA_WRAPPABLE = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "NonDynamicallyQuantizableLinear")
+
+
+def model_facts(model) -> ModelFacts:
+    """Facts of an instantiated model (real, meta or PEFT-wrapped)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    modules = {name: type(m).__name__ for name, m in model.named_modules() if name}
+    return ModelFacts(
+        model_type=str(getattr(config, "model_type", "") or ""),
+        modules=modules,
+        num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+    )
+
+
+def meta_model_facts(cfg, base: str) -> ModelFacts:
+    """Facts of `base` from its config alone: the model is instantiated on the meta device (no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    remote = cfg.model.trust_remote_code
+    config = AutoConfig.from_pretrained(base, trust_remote_code=remote, revision=cfg.model.revision)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+    return model_facts(model)
+
+
+def match_targets(targets: list[str], modules: dict[str, str]) -> dict[str, list[str]]:
+    """peft's suffix rule: target `t` selects module `n` when `n == t` or `n` ends with `.t`.
+
+    Adapter modules a PEFT wrapper adds (`lora_A`, `lora_B`, `base_layer`, ...) are ignored so a wrapped
+    model gives the same answer as its base.
+    """
+    out: dict[str, list[str]] = {}
+    for t in targets:
+        out[t] = [
+            n
+            for n in modules
+            if (n == t or n.endswith("." + t)) and not any(p in n.split(".") for p in _PEFT_PARTS)
+        ]
+    return out
+
+
+_PEFT_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_dropout", "lora_magnitude_vector")
+
+
+@dataclass
+class CollatorProbe:
+    """What a collator did with two known samples (a long one and a short one, both ending in EOS).
+
+    Args:
+        ok: the probe ran (False: the collator raised or returned something unreadable; see `error`).
+        eos_supervised: the label at each sample's final EOS position is the EOS id (not -100).
+        padding_side: "right", "left", "none" (packed, no padding) or "unknown".
+        error: why the probe could not run.
+    """
+
+    ok: bool
+    eos_supervised: bool | None = None
+    padding_side: str = "unknown"
+    error: str = ""
+
+
+def _probe_samples(tokenizer) -> list[dict]:
+    eos = tokenizer.eos_token_id
+    words = tokenizer("the quick brown fox jumps", add_special_tokens=False)["input_ids"][:5]
+    while len(words) < 5:
+        words.append(words[-1] if words else 0)
+    long_ids = [*words, eos]
+    short_ids = [*words[:2], eos]
+    return [
+        {"input_ids": long_ids, "labels": [IGNORE, IGNORE, *long_ids[2:]]},
+        {"input_ids": short_ids, "labels": [IGNORE, *short_ids[1:]]},
+    ]
+
+
+def _rows(tensor) -> list[list[int]]:
+    return tensor.tolist() if hasattr(tensor, "tolist") else [list(r) for r in tensor]
+
+
+def probe_collator(collator, tokenizer) -> CollatorProbe:
+    """Run `collator` on two samples and read back where it put them and whether EOS keeps its label."""
+    samples = _probe_samples(tokenizer)
+    eos = tokenizer.eos_token_id
+    try:
+        try:
+            batch = collator([dict(s) for s in samples])
+        except Exception:  # some collators build labels themselves and reject a labels key
+            batch = collator([{"input_ids": s["input_ids"]} for s in samples])
+        ids, labels = _rows(batch["input_ids"]), batch.get("labels")
+    except Exception as e:
+        return CollatorProbe(ok=False, error=f"{type(e).__name__}: {e}")
+    if labels is None:
+        return CollatorProbe(ok=True, eos_supervised=False, error="the collator returns no labels")
+    labels = _rows(labels)
+    lens = [len(s["input_ids"]) for s in samples]
+    if len(ids) == 1 and len(ids[0]) == sum(lens):  # packed: samples back to back in one row
+        ends = [lens[0] - 1, sum(lens) - 1]
+        return CollatorProbe(ok=True, eos_supervised=all(labels[0][e] == eos for e in ends), padding_side="none")
+    if len(ids) != 2:
+        return CollatorProbe(ok=False, error=f"unexpected input_ids shape ({len(ids)} rows)")
+    width, short = len(ids[1]), samples[1]["input_ids"]
+    if ids[1][: len(short)] == short:
+        side, starts = "right", [0, 0]
+    elif ids[1][width - len(short) :] == short:
+        side, starts = "left", [width - lens[0], width - lens[1]]
+    else:
+        return CollatorProbe(ok=False, error="could not locate the samples in the padded batch")
+    # The last label of every row reads the EOS; a loss that shifts labels still trains "… -> EOS" from it.
+    sup = all(labels[r][starts[r] + lens[r] - 1] == eos for r in range(2))
+    return CollatorProbe(ok=True, eos_supervised=sup, padding_side=side)

@@ -1,0 +1,159 @@
+"""PNG plots of the stability report, drawn from `trainer_state.json`'s log history (matplotlib, Agg backend).
+
+Each function returns the path it wrote, or None when the history holds nothing to draw (a plot of nothing
+would only suggest that something was measured).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+SEVERITY_COLORS = {"error": "tab:red", "warning": "tab:orange", "info": "tab:gray"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def series(history: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) pairs of `key` in the log history; non-numbers dropped, NaN/inf kept (drawn as gaps)."""
+    out = []
+    for row in history:
+        value = row.get(key)
+        if "step" in row and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((int(row["step"]), float(value)))
+    return out
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    _plt().close(fig)
+    return path
+
+
+def _mark_events(ax, events: list[dict]) -> None:
+    seen = set()
+    for ev in events:
+        if ev.get("severity") == "info":
+            continue
+        color = SEVERITY_COLORS.get(ev.get("severity"), "tab:red")
+        label = None if ev["kind"] in seen else ev["kind"]
+        seen.add(ev["kind"])
+        ax.axvline(ev["step"], color=color, alpha=0.5, linestyle=":", label=label)
+
+
+def plot_loss(history: list[dict], events: list[dict], path: Path) -> Path | None:
+    logged = series(history, "loss")
+    per_step = series(history, "loss/train")
+    evals = series(history, "eval_loss")
+    if not (logged or per_step or evals):
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    if per_step:
+        ax.plot(*zip(*per_step), label="train loss (step)", color="tab:blue", linewidth=1)
+    if logged and not per_step:
+        ax.plot(*zip(*logged), label="train loss (logged)", color="tab:blue")
+    if evals:
+        ax.plot(*zip(*evals), "o--", label="eval loss", color="tab:green")
+    nonfinite = [s for s, v in per_step or logged if not math.isfinite(v)]
+    if nonfinite:
+        ax.plot(nonfinite, [ax.get_ylim()[1]] * len(nonfinite), "x", color="tab:red", label="non-finite loss")
+    _mark_events(ax, events)
+    ax.set(xlabel="step", ylabel="loss", title="loss (dotted lines: alerts)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    return _save(fig, path)
+
+
+def plot_lr(history: list[dict], path: Path) -> Path | None:
+    lr = series(history, "learning_rate")
+    if not lr:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 2.5), dpi=100)
+    ax.plot(*zip(*lr), color="tab:orange")
+    ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_grad_norms(history: list[dict], events: list[dict], path: Path, max_lines: int = 8) -> Path | None:
+    """Global norm plus per-group norms: lines for a few groups, a log10 heat map for many."""
+    groups = sorted({k[len("grad/norm/"):] for row in history for k in row if k.startswith("grad/norm/")},
+                    key=_group_order)
+    total = series(history, "grad/norm_global") or series(history, "grad_norm")
+    if not (groups or total):
+        return None
+    plt = _plt()
+    if len(groups) <= max_lines:
+        fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+        if total:
+            ax.plot(*zip(*total), color="black", linewidth=1.5, label="global")
+        for g in groups:
+            ax.plot(*zip(*series(history, f"grad/norm/{g}")), linewidth=1, label=g)
+        ax.set_yscale("log")
+        _mark_events(ax, [e for e in events if e["kind"].startswith(("grad_", "nonfinite"))])
+        ax.set(xlabel="step", ylabel="grad L2 norm", title="gradient norms (pre-clip when max_grad_norm=0)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, ncol=2, loc="upper right")
+        return _save(fig, path)
+    import numpy as np
+
+    steps = sorted({s for g in groups for s, _ in series(history, f"grad/norm/{g}")})
+    col = {s: i for i, s in enumerate(steps)}
+    grid = np.full((len(groups), len(steps)), np.nan)
+    for r, g in enumerate(groups):
+        for s, v in series(history, f"grad/norm/{g}"):
+            grid[r, col[s]] = math.log10(v) if v > 0 and math.isfinite(v) else np.nan
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(8, 2.5 + 0.14 * len(groups)), dpi=100,
+                                   gridspec_kw={"height_ratios": [1, max(2, len(groups) // 6)]}, sharex=False)
+    if total:
+        ax0.plot(*zip(*total), color="black", linewidth=1.2)
+        ax0.set_yscale("log")
+    ax0.set(ylabel="global norm", title="gradient norms (pre-clip when max_grad_norm=0)",
+            xlim=(steps[0] - 0.5, steps[-1] + 0.5))
+    ax0.grid(alpha=0.3)
+    image = ax1.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap="viridis",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(groups) - 0.5, -0.5))
+    ax1.set_yticks(range(len(groups)), groups, fontsize=6)
+    ax1.set_xlabel("step")
+    fig.colorbar(image, ax=ax1, label="log10 group norm")
+    return _save(fig, path)
+
+
+def _group_order(name: str):
+    site = name.split(".")[0]
+    rank = {"embeddings": 0, "norm": 2, "lm_head": 3, "other": 4}.get(site, 1)
+    layer = int(site.split("_")[1]) if site.startswith("layer_") and site[6:].isdigit() else -1
+    return rank, layer, name
+
+
+def plot_memory(history: list[dict], path: Path) -> Path | None:
+    keys = [k for k in ("mem/allocated_gib", "mem/reserved_gib", "mem/peak_gib", "mem/rss_gib")
+            if series(history, k)]
+    if not keys:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3), dpi=100)
+    for k in keys:
+        ax.plot(*zip(*series(history, k)), label=k.split("/")[1].replace("_gib", ""))
+    ax.set(xlabel="step", ylabel="GiB", title="memory")
+    ax.grid(alpha=0.3)
+    frag = series(history, "mem/fragmentation")
+    if frag:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*frag), color="tab:gray", linestyle="--", label="fragmentation")
+        ax2.set_ylabel("fragmentation")
+        ax2.set_ylim(0, 1)
+    ax.legend(fontsize=7, loc="upper left")
+    return _save(fig, path)

@@ -1,0 +1,193 @@
+"""hf-stable doctor: config hazards (each found on a constructed config, absent on the default), CLI and JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_stable.config import DEFAULT_CONFIG, load_config
+from hf_stable.config.doctor import DoctorConfig
+from hf_stable.data import PaddingCollator
+from hf_stable.doctor import REPORT_JSON, REPORT_MD, main, render_markdown, render_text, run_doctor, save_report
+from hf_stable.doctor.environment import numa_cpus, parse_cpulist, sysfs_bus_id
+from hf_stable.doctor.hazards import check_collator, check_fp16_eps, check_learning_rate
+from hf_stable.doctor.settings import resolve_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_args(tmp: Path, arch: str = "llama", *extra: str) -> list[str]:
+    """The default recipe on a seconds-to-build tiny base (no pretraining) and 64 training records."""
+    return [
+        "--model.name_or_path", f"embedded:tiny-{arch}",
+        "--model.embedded.hidden_size", "64", "--model.embedded.intermediate_size", "128",
+        "--model.embedded.num_hidden_layers", "2", "--model.embedded.vocab_size", "512",
+        "--model.embedded.pretrain_steps", "0", "--model.embedded.cache_dir", str(tmp / "bases"),
+        "--data.train_file", str(tmp / "data" / "train.jsonl"), "--data.eval_file", str(tmp / "data" / "eval.jsonl"),
+        "--training.per_device_train_batch_size", "8", "--training.output_dir", str(tmp / "out"),
+        *extra,
+    ]  # fmt: skip
+
+
+def make_workdir(tmp: Path) -> Path:
+    (tmp / "data").mkdir(parents=True, exist_ok=True)
+    for name, n in (("train", 64), ("eval", 8)):
+        lines = (ROOT / f"data/embedded/{name}.jsonl").read_text(encoding="utf-8").split("\n")[:n]
+        (tmp / "data" / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return make_workdir(tmp_path_factory.mktemp("doctor"))
+
+
+def strict_json(text: str) -> dict:
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def by_check(report, check: str):
+    return [f for f in report.findings if f.check == check]
+
+
+def test_default_config_has_no_hazard(workdir):
+    report = run_doctor(load_config(DEFAULT_CONFIG, tiny_args(workdir)), dry_run=False)
+    hazards = [f for f in report.findings if f.section == "hazards"]
+    assert not [f for f in hazards if f.severity in ("warning", "error")], render_text(report)
+    for check in ("eos_supervision", "lora_targets", "learning_rate"):
+        assert [f.severity for f in by_check(report, f"hazards.{check}")] == ["ok"], check
+    for check in ("fp16_adam_eps", "fp16_family", "padding_side", "double_clipping", "checkpointing"):
+        assert not by_check(report, f"hazards.{check}"), check
+    assert report.exit_code == 0
+    if not torch.cuda.is_available():
+        assert "CPU-only" in by_check(report, "environment.accelerator")[0].what
+
+
+def test_broken_config_reports_every_hazard(workdir):
+    cfg = load_config(DEFAULT_CONFIG, tiny_args(
+        workdir, "qwen2",
+        "--training.fp16", "true", "--training.adam_epsilon", "1e-8", "--optim.fp16_eps_guard", "warn",
+        "--lora.target_modules", "[q_proj, v_proj, wq]", "--training.learning_rate", "5e-2",
+        "--training.max_grad_norm", "1.0",
+        "--training.gradient_checkpointing", "true",
+        "--training.gradient_checkpointing_kwargs", "{use_reentrant: true}",
+    ))  # fmt: skip
+    report = run_doctor(cfg, dry_run=False, settings=DoctorConfig(reference_batch=64))
+    expect = {
+        "hazards.fp16_adam_eps": "warning",
+        "hazards.fp16_family": "warning",
+        "hazards.lora_targets": "warning",
+        "hazards.learning_rate": "warning",
+        "hazards.effective_batch": "warning",
+        "hazards.double_clipping": "warning",
+        "hazards.checkpointing": "warning",
+    }
+    for check, severity in expect.items():
+        assert [f.severity for f in by_check(report, check)] == [severity], (check, render_text(report))
+    assert "qwen2" in by_check(report, "hazards.fp16_family")[0].what
+    assert "['wq']" in by_check(report, "hazards.lora_targets")[0].what
+    # effective batch 8 vs 64 the LR was tuned at: sqrt rule for AdamW -> 5e-2 * sqrt(8/64)
+    assert f"{5e-2 * math.sqrt(8 / 64):.3g}" in by_check(report, "hazards.effective_batch")[0].fix
+    assert report.exit_code == 0  # warnings do not block
+
+
+def test_lion_wants_a_smaller_lr_than_adamw():
+    for name, severity in (("adamw", "ok"), ("lion", "warning")):
+        cfg = load_config(DEFAULT_CONFIG, ["--optim.name", name, "--training.learning_rate", "1e-3"])
+        (finding,) = check_learning_rate(cfg, resolve_settings(cfg))
+        assert finding.severity == severity, name
+    assert "Lion" in finding.what and "3-10x" in finding.fix
+    cfg = load_config(DEFAULT_CONFIG, ["--optim.name", "lion", "--training.learning_rate", "1e-4"])
+    assert check_learning_rate(cfg, resolve_settings(cfg))[0].severity == "ok"
+
+
+@pytest.mark.parametrize("guard,severity", [("clamp", "info"), ("warn", "warning"), ("error", "error")])
+def test_fp16_adam_eps_severity_follows_the_guard(guard, severity):
+    argv = ["--training.fp16", "true", "--training.adam_epsilon", "1e-8", "--optim.fp16_eps_guard", guard]
+    cfg = load_config(DEFAULT_CONFIG, argv)
+    assert [f.severity for f in check_fp16_eps(cfg, resolve_settings(cfg))] == [severity]
+    fine = load_config(DEFAULT_CONFIG, [*argv[:2], "--training.adam_epsilon", "1e-6"])
+    assert check_fp16_eps(fine, resolve_settings(fine)) == []
+
+
+def test_lora_targets_matching_nothing_block_and_skip_the_dry_run(workdir):
+    cfg = load_config(DEFAULT_CONFIG, tiny_args(workdir, "llama", "--lora.target_modules", "[wq, wk]"))
+    report = run_doctor(cfg, dry_run=True)
+    (finding,) = by_check(report, "hazards.lora_targets")
+    assert finding.severity == "error" and "q_proj" in finding.evidence
+    assert by_check(report, "dry_run.skipped") and not by_check(report, "dry_run.gradients")
+    assert report.exit_code == 1
+
+
+def test_pad_eos_and_padding_side(workdir, tokenizer_pad_eos):
+    from transformers import DataCollatorForLanguageModeling
+
+    tok = tokenizer_pad_eos
+    (ours,) = check_collator(tok, PaddingCollator(tok.pad_token_id))
+    assert ours.severity == "info" and "pad == eos: safe" in ours.what
+    # transformers' LM collator masks every pad id, so with pad == eos no EOS is ever learned
+    (theirs,) = check_collator(tok, DataCollatorForLanguageModeling(tok, mlm=False))
+    assert theirs.check == "hazards.eos_supervision" and theirs.severity == "warning"
+    left = check_collator(tok, PaddingCollator(tok.pad_token_id, padding_side="left"))
+    assert [f.check for f in left if f.severity == "warning"] == ["hazards.padding_side"]
+    # the same checks from the Python API, with a user collator
+    cfg = load_config(DEFAULT_CONFIG, tiny_args(workdir))
+    report = run_doctor(cfg, dry_run=False, tokenizer=tok, collator=DataCollatorForLanguageModeling(tok, mlm=False))
+    assert [f.severity for f in by_check(report, "hazards.eos_supervision")] == ["warning"]
+    tok.padding_side = "left"
+    try:
+        report = run_doctor(cfg, dry_run=False, tokenizer=tok)
+    finally:
+        tok.padding_side = "right"
+    assert [f.severity for f in by_check(report, "hazards.padding_side")] == ["warning"]
+    assert [f.severity for f in by_check(report, "hazards.eos_supervision")] == ["info"]
+
+
+def test_cli_json_parses_and_exit_codes(workdir, capsys):
+    assert main(["--config", str(DEFAULT_CONFIG), *tiny_args(workdir), "--json", "--no-dry-run"]) == 0
+    data = strict_json(capsys.readouterr().out)
+    assert data["exit_code"] == 0 and data["counts"]["error"] == 0
+    assert {f["check"] for f in data["findings"]} >= {"environment.versions", "hazards.lora_targets"}
+    assert data["facts"]["environment"]["versions"]["torch"] == torch.__version__
+
+    broken = tiny_args(workdir, "llama", "--lora.target_modules", "[wq]")
+    out_dir = workdir / "cli_out"
+    assert main(["--config", str(DEFAULT_CONFIG), *broken, "--no-dry-run", "--output", str(out_dir)]) == 1
+    text = capsys.readouterr().out
+    assert "== Config hazards" in text and "ERROR" in text and "BLOCKING" in text
+    saved = strict_json((out_dir / REPORT_JSON).read_text())
+    assert saved["exit_code"] == 1
+    assert "| error | hazards.lora_targets |" in (out_dir / REPORT_MD).read_text()
+
+
+def test_report_json_is_strict_even_with_nan_facts(tmp_path):
+    from hf_stable.doctor import DoctorReport, Finding
+
+    report = DoctorReport(findings=[Finding("ok", "x", check="dry_run.loss")], facts={"losses": [1.0, float("nan")]})
+    data = strict_json(report.to_json())
+    assert data["facts"]["losses"] == [1.0, None]
+    save_report(report, tmp_path)
+    assert strict_json((tmp_path / REPORT_JSON).read_text())["verdict"] == "no blocking problem"
+    assert "clean bill" in render_markdown(report)
+    with pytest.raises(ValueError):
+        Finding("fatal", "not a severity")
+
+
+def test_numa_helpers_read_sysfs(tmp_path):
+    assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert sysfs_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
+    dev = tmp_path / "bus/pci/devices/0000:3b:00.0"
+    dev.mkdir(parents=True)
+    (dev / "numa_node").write_text("1\n")
+    node = tmp_path / "devices/system/node/node1"
+    node.mkdir(parents=True)
+    (node / "cpulist").write_text("16-31\n")
+    assert numa_cpus("00000000:3B:00.0", sysfs=tmp_path) == (1, set(range(16, 32)))
+    assert numa_cpus("00000000:AA:00.0", sysfs=tmp_path) == (None, None)
