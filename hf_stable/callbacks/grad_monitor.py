@@ -14,7 +14,7 @@ import math
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradReport, GradStats
-from hf_stable.callbacks.monitor_utils import AlertGate, uses_deepspeed
+from hf_stable.callbacks.monitor_utils import AlertGate, logs_at, sharded_training
 
 
 class GradientMonitor(StabilityCallback):
@@ -125,8 +125,9 @@ class GradientMonitor(StabilityCallback):
         if not self.enabled:
             return
         self._off_reason = None
-        if uses_deepspeed(args):
-            self._say_off(state, "DeepSpeed keeps gradients in its own (partitioned) buffers; p.grad is None")
+        sharded = sharded_training(args)
+        if sharded:
+            self._say_off(state, sharded)
         self._post_clip = bool(args.max_grad_norm and args.max_grad_norm > 0)
         if self._post_clip and self._off_reason is None:
             self.event(
@@ -149,28 +150,17 @@ class GradientMonitor(StabilityCallback):
         stats = GradStats.shared(model)
         # The exact max |g| costs a second pass over the gradients: take it at logging steps (for the metric),
         # and otherwise only when the largest per-tensor L2 norm - an upper bound of it - crosses the threshold.
-        report = stats.compute(model, step=state.global_step, max_abs=_logs_at(args, state.global_step + 1))
+        log_step = logs_at(args, state.global_step + 1)
+        report = stats.compute(model, step=state.global_step, max_abs=log_step)
         if not report.available:
             self._say_off(state, report.reason)
             return
         if not report.has_max_abs and report.max_param_norm > self.max_abs:
             report = stats.compute(model, step=state.global_step, max_abs=True)
         self.last_report = report
-        self.record(report.metrics())
+        if log_step:  # metrics only matter in the log line they are merged into
+            self.record(report.metrics())
         self.observe(state.global_step + 1, report)
-
-
-def _logs_at(args, step: int) -> bool:
-    """Will the Trainer log at `step`? (the decision itself is made later, in DefaultFlowCallback.on_step_end)"""
-    if step == 1 and getattr(args, "logging_first_step", False):
-        return True
-    strategy = getattr(args, "logging_strategy", "steps")
-    strategy = str(getattr(strategy, "value", strategy))  # IntervalStrategy enum or plain string
-    steps = getattr(args, "logging_steps", 0) or 0
-    if "steps" not in strategy or steps <= 0:
-        return True  # epoch/no logging: cheap enough to keep the metric exact
-    every = steps if steps >= 1 else max(1, int(steps * getattr(args, "max_steps", 1)))
-    return step % int(every) == 0
 
 
 def _largest(report: GradReport) -> str:

@@ -130,6 +130,8 @@ class GradStats:
         self._model_ref = weakref.ref(model) if model is not None else None
         self._explicit_groups = groups
         self._entries: list[tuple[str, torch.nn.Parameter, int]] | None = None
+        self._params: list[torch.nn.Parameter] = []
+        self._full: tuple | None = None
         self._group_names: list[str] = []
         self._index_cache: dict = {}
         self._sources: dict[str, Callable[[], dict[str, torch.Tensor]]] = {}
@@ -174,18 +176,25 @@ class GradStats:
                     raise ValueError("GradStats needs a model or explicit groups")
                 groups = group_parameters(model, trainable_only=True)
             self._group_names = list(groups)
-            self._entries = [(n, p, gi) for gi, g in enumerate(self._group_names) for n, p in groups[g]]
+            entries = [(n, p, gi) for gi, g in enumerate(self._group_names) for n, p in groups[g]]
+            # Device-contiguous order (stable): one foreach call per device, for the full set and any subset.
+            order = {}
+            for _, p, _ in entries:
+                order.setdefault(p.device, len(order))
+            self._entries = sorted(entries, key=lambda e: order[e[1].device])
+            self._params = [p for _, p, _ in self._entries]
+            self._full = None  # (names, params, group_ids) of the all-gradients case, built on first use
         return self._entries
 
     # --- on-device statistics -------------------------------------------------------------------
     def _present(self):
-        present, grads = [], []
-        for entry in self._ensure_entries():
-            g = entry[1].grad
-            if g is not None:
-                present.append(entry)
-                grads.append(g)
-        return present, grads
+        """(entries, grads) of the parameters that have a gradient now."""
+        entries = self._ensure_entries()
+        grads = [p.grad for p in self._params]
+        if any(g is None for g in grads):
+            present = [e for e, g in zip(entries, grads) if g is not None]
+            return present, [g for g in grads if g is not None]
+        return entries, grads
 
     def _key(self, step, present, grads):
         """What identifies the step's gradients: the step label plus the first gradient tensor (weakly held)."""
@@ -229,33 +238,35 @@ class GradStats:
             self._dev_key, self._dev = self._key(step, present, grads), None
             return None
         home = grads[0].device
-        # Bucket by device so model-parallel layouts work; order of `names` follows the buckets.
-        buckets: dict = {}
-        for entry, g in zip(present, grads):
-            buckets.setdefault(g.device, []).append((entry, g))
-        ordered, l2 = [], []
-        for dev_entries in buckets.values():
-            gs = [g for _, g in dev_entries]
-            l2.append(torch.stack(torch._foreach_norm(gs, 2.0, dtype=torch.float32)).to(home))
-            ordered.extend(e for e, _ in dev_entries)
+        # One foreach call per device (entries are device-contiguous), results gathered on the first device.
+        l2, start = [], 0
+        while start < len(grads):
+            device, end = grads[start].device, start + 1
+            while end < len(grads) and grads[end].device == device:
+                end += 1
+            l2.append(torch.stack(torch._foreach_norm(grads[start:end], 2.0, dtype=torch.float32)).to(home))
+            start = end
         param_norms = torch.cat(l2) if len(l2) > 1 else l2[0]
-        group_ids = [gi for _, _, gi in ordered]
+        if present is self._entries:  # the usual case: every trainable tensor has a gradient
+            if self._full is None:
+                self._full = ([n for n, _, _ in present], list(self._params), [gi for _, _, gi in present])
+            names, params, group_ids = self._full
+        else:
+            names, params, group_ids = [n for n, _, _ in present], [p for _, p, _ in present], [e[2] for e in present]
         gidx = self._group_index(tuple(group_ids), home)
-        n_groups = len(self._group_names)
-        sq = param_norms.square()
-        group_norms = torch.zeros(n_groups, dtype=torch.float32, device=home).index_add_(0, gidx, sq).sqrt_()
-        bad = (~torch.isfinite(param_norms)).to(torch.float32)
-        nonfinite = torch.zeros(n_groups, dtype=torch.float32, device=home).index_add_(0, gidx, bad)
+        # squares and non-finite flags summed per group in one index_add
+        columns = torch.stack([param_norms.square(), (~torch.isfinite(param_norms)).to(torch.float32)], dim=1)
+        sums = torch.zeros(len(self._group_names), 2, dtype=torch.float32, device=home).index_add_(0, gidx, columns)
         self._dev = DeviceGradStats(
-            names=[n for n, _, _ in ordered],
-            params=[p for _, p, _ in ordered],
-            groups=list(self._group_names),
+            names=names,
+            params=params,
+            groups=self._group_names,
             group_index=gidx,
             param_norms=param_norms,
             param_max_abs=None,
-            group_norms=group_norms,
-            nonfinite=nonfinite,
-            global_norm=sq.sum().sqrt(),
+            group_norms=sums[:, 0].sqrt(),
+            nonfinite=sums[:, 1],
+            global_norm=columns[:, 0].sum().sqrt(),
             group_ids=group_ids,
         )
         self._dev_key = self._key(step, present, grads)
@@ -276,16 +287,19 @@ class GradStats:
         return keys, packed
 
     @staticmethod
-    def _param_max_abs(dev: DeviceGradStats) -> torch.Tensor:
-        """Per-tensor max |g| (computed once per step, on request)."""
+    def _param_max_abs(dev: DeviceGradStats) -> torch.Tensor | None:
+        """Per-tensor max |g| (computed once per step, on request); None when gradients were dropped since
+        (a guard skipped the step by setting `p.grad = None`)."""
         if dev.param_max_abs is None:
             grads = [p.grad for p in dev.params]
+            if any(g is None for g in grads):
+                return None
             home = dev.param_norms.device
             if home.type == "cpu":
                 # The CPU foreach inf-norm kernel is a slow scalar loop; aminmax per tensor is ~2-10x faster.
-                mm = torch.stack([torch.stack(g.aminmax()) if g.numel() else g.new_zeros(2) for g in grads])
-                mm = mm.to(torch.float32)
-                dev.param_max_abs = torch.maximum(mm[:, 1], -mm[:, 0])
+                lows, highs = zip(*(g.aminmax() if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads))
+                low, high = torch.stack(lows).to(torch.float32), torch.stack(highs).to(torch.float32)
+                dev.param_max_abs = torch.maximum(high, -low)
             else:
                 dev.param_max_abs = torch.stack(
                     [n.to(home) for n in torch._foreach_norm(grads, math.inf, dtype=torch.float32)]
@@ -315,12 +329,15 @@ class GradStats:
             report = self._unavailable_report(step)
         elif cached:  # the step's report exists; add the exact max |g| with one more transfer
             report = self._host
-            self._fill_max(report, dev, torch.cat(self._best(self._param_max_abs(dev))).tolist())
+            per_tensor = self._param_max_abs(dev)
+            if per_tensor is not None:
+                self._fill_max(report, dev, torch.cat(self._best(per_tensor)).tolist())
         else:
             keys, extras = self._extras(dev.global_norm.device)
             parts = [dev.group_norms, dev.nonfinite, dev.global_norm.reshape(1), *self._best(dev.param_norms)]
-            if max_abs:
-                parts += self._best(self._param_max_abs(dev))
+            per_tensor = self._param_max_abs(dev) if max_abs else None
+            if per_tensor is not None:
+                parts += self._best(per_tensor)
             if extras is not None:
                 parts.append(extras)
             host = torch.cat(parts).tolist()  # the single device→host transfer
@@ -339,7 +356,7 @@ class GradStats:
                 max_norm_param=dev.names[int(top_arg)] if top_norm >= 0 else None,
                 n_tensors=len(dev.names),
             )
-            if max_abs:
+            if per_tensor is not None:
                 self._fill_max(report, dev, rest[:2])
                 rest = rest[2:]
             report.extras = dict(zip(keys, rest))

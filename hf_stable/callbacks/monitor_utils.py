@@ -65,11 +65,32 @@ def collective_device(args) -> torch.device:
         return torch.device("cpu")
 
 
-def uses_deepspeed(args) -> bool:
-    """True when the Trainer runs under DeepSpeed (config in the args, or set by `accelerate launch`)."""
-    if getattr(args, "deepspeed", None):
+def sharded_training(args) -> str | None:
+    """Why gradients/parameters are sharded across ranks here (DeepSpeed ZeRO or FSDP), or None.
+
+    Then `p.grad` is None (ZeRO keeps gradients in its own buffers) or a per-rank shard (FSDP), and per-tensor
+    statistics read from it would be wrong or different on every rank: the gradient monitors say they are off.
+    Set by TrainingArguments (`deepspeed=`, `fsdp=`) or by `accelerate launch` (environment).
+    """
+    env = os.environ
+    if getattr(args, "deepspeed", None) or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
+        return "DeepSpeed keeps gradients in its own (partitioned) buffers; p.grad is None"
+    if getattr(args, "fsdp", None) or env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        return "FSDP shards gradients and parameters across ranks; per-tensor statistics would be per shard"
+    return None
+
+
+def logs_at(args, step: int) -> bool:
+    """Will the Trainer log at `step`? (the decision itself is made later, in DefaultFlowCallback.on_step_end)"""
+    if step == 1 and getattr(args, "logging_first_step", False):
         return True
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes")
+    strategy = getattr(args, "logging_strategy", "steps")
+    strategy = str(getattr(strategy, "value", strategy))  # IntervalStrategy enum or plain string
+    steps = getattr(args, "logging_steps", 0) or 0
+    if "steps" not in strategy or steps <= 0:
+        return True  # epoch/no logging: cheap enough to keep the metric exact
+    every = steps if steps >= 1 else max(1, int(steps * getattr(args, "max_steps", 1)))
+    return step % int(every) == 0
 
 
 def robust_zscore(value: float, history: list[float]) -> float:

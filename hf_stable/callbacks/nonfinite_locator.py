@@ -25,7 +25,7 @@ import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
-from hf_stable.callbacks.monitor_utils import AlertGate, uses_deepspeed, world_size
+from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training, world_size
 from hf_stable.callbacks.step_tap import StepTap, _loss_of
 from hf_stable.logging import get_logger
 from hf_stable.optim.roles import classify
@@ -84,7 +84,7 @@ class NonFiniteLocator(StabilityCallback):
     # --- Trainer hooks ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
-        self._off = uses_deepspeed(args)
+        self._off = sharded_training(args) is not None
         if self.enabled and model is not None:
             StepTap.shared(model).attach()
 

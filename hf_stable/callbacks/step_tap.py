@@ -130,14 +130,12 @@ class StepTap:
         if not isinstance(labels, torch.Tensor):
             labels = kwargs.get("labels")
             labels = labels[..., 1:] if isinstance(labels, torch.Tensor) and labels.dim() >= 1 else None
-        num_items = kwargs.get("num_items_in_batch")
-        if num_items is not None:
-            weight = num_items.to(loss.device, torch.float32) if isinstance(num_items, torch.Tensor) else num_items
-        elif labels is not None:
-            weight = labels.ne(-100).sum().to(torch.float32)
-        else:
-            weight = 1.0
         tokens = labels.ne(-100).sum().to(torch.float32) if labels is not None else torch.ones_like(loss)
+        num_items = kwargs.get("num_items_in_batch")
+        if num_items is not None:  # the model returned sum / num_items
+            weight = num_items.to(loss.device, torch.float32) if isinstance(num_items, torch.Tensor) else num_items
+        else:  # the model returned a mean over its supervised tokens (or, without labels, count it once)
+            weight = tokens
         total = loss * weight
         self._num = total if self._num is None else self._num + total
         self._den = tokens if isinstance(self._den, float) else self._den + tokens

@@ -16,7 +16,7 @@ import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
-from hf_stable.callbacks.monitor_utils import AlertGate, uses_deepspeed
+from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training
 from hf_stable.optim.roles import group_parameters
 
 
@@ -89,7 +89,7 @@ class UpdateMonitor(StabilityCallback):
     # --- Trainer hooks ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
-        self._off = uses_deepspeed(args)  # ZeRO-3 partitions parameters: local norms would be wrong
+        self._off = sharded_training(args) is not None  # ZeRO-3 / FSDP shard parameters: local norms
         self._groups = None
 
     def _params(self, model) -> tuple[list[str], list[int], list[torch.nn.Parameter]]:

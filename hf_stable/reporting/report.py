@@ -92,7 +92,7 @@ def _glance(history: list[dict]) -> list[str]:
         finite = _finite(loss)
         bad = len(loss) - len(finite)
         if finite:
-            rows.append(("train loss (first → last logged)", f"{finite[0]:.4g} → {finite[-1]:.4g}"))
+            rows.append(("train loss (first → last finite, logged steps)", f"{finite[0]:.4g} → {finite[-1]:.4g}"))
         if bad:
             rows.append(("non-finite logged losses", str(bad)))
     evals = _finite(stability_plots.series(history, "eval_loss"))

@@ -1,0 +1,160 @@
+"""GradStats against a brute-force per-parameter reference, its one-transfer promise and its per-step cache."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from torch.overrides import TorchFunctionMode
+
+from hf_stable.callbacks.grad_stats import GradStats
+from hf_stable.optim.roles import group_parameters
+
+
+class _CountCalls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+def _reference(model):
+    """The slow, obviously-correct version: one loop, one .item() per statistic per tensor."""
+    groups = group_parameters(model)
+    norms, bad, best = {}, {}, (-1.0, None, None)
+    total = 0.0
+    for group, members in groups.items():
+        sq, nbad = 0.0, 0
+        for name, p in members:
+            if p.grad is None:
+                continue
+            n = p.grad.double().norm().item()
+            sq += n * n
+            if not torch.isfinite(p.grad).all().item():
+                nbad += 1
+                continue
+            m = p.grad.abs().max().item()
+            if m > best[0]:
+                best = (m, group, name)
+        norms[group], bad[group] = math.sqrt(sq), nbad
+        total += sq
+    return math.sqrt(total), norms, bad, best
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_matches_bruteforce_reference(arch, tokenizer):
+    model = make_tiny_model(arch, tokenizer)
+    _backward(model)
+    report = GradStats(model).compute(model, step=0, max_abs=True)
+    total, norms, bad, (max_abs, max_group, max_param) = _reference(model)
+    assert report.available and report.n_tensors == sum(1 for p in model.parameters() if p.grad is not None)
+    assert report.global_norm == pytest.approx(total, rel=1e-5)
+    assert set(report.group_norms) == set(norms)
+    for group, value in norms.items():
+        assert report.group_norms[group] == pytest.approx(value, rel=1e-5, abs=1e-12), group
+    assert report.nonfinite == bad and report.nonfinite_total == 0
+    assert report.max_abs == pytest.approx(max_abs, rel=1e-6)
+    assert (report.max_abs_group, report.max_abs_param) == (max_group, max_param)
+    # the Trainer's own number for the same gradients
+    ref = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    assert report.global_norm == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_nonfinite_counts_and_max_location_skip_bad_tensors(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    _backward(model)
+    layers = model.model.layers
+    layers[1].mlp.up_proj.weight.grad[0, 0] = float("nan")
+    layers[0].self_attn.k_proj.weight.grad[1, 1] = float("inf")
+    layers[0].self_attn.o_proj.weight.grad[2, 3] = 5e3  # the largest finite element
+    report = GradStats(model).compute(model, step=0, max_abs=True)
+    _, _, bad, _ = _reference(model)
+    assert report.nonfinite == bad
+    assert report.nonfinite["layer_0"] == 1 and report.nonfinite["layer_1"] == 1
+    assert math.isnan(report.group_norms["layer_1"]) and math.isinf(report.group_norms["layer_0"])
+    assert not math.isfinite(report.global_norm)
+    assert report.max_abs == pytest.approx(5e3)
+    assert report.max_abs_param == "model.layers.0.self_attn.o_proj.weight" and report.max_abs_group == "layer_0"
+    metrics = report.metrics()
+    assert metrics["grad/nonfinite/layer_0"] == 1.0 and metrics["grad/nonfinite_total"] == 2.0
+    assert "grad/nonfinite/embeddings" not in metrics  # zero counts are not logged per group
+
+
+def test_one_host_transfer_and_per_step_cache(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    _backward(model)
+    stats = GradStats.shared(model)
+    assert GradStats.shared(model) is stats
+    stats.add_source("test", lambda: {"x": torch.tensor(2.5)})
+    with _CountCalls() as counter:
+        report = stats.compute(model, step=7)
+    transfers = {k: v for k, v in counter.calls.items() if k in ("tolist", "item", "cpu", "__float__", "numpy")}
+    assert transfers == {"tolist": 1}
+    assert report.extras == {"x": 2.5}
+    # max |g| is a second pass, taken only on request; the per-tensor L2 maximum bounds it meanwhile
+    assert not report.has_max_abs and "grad/max_abs" not in report.metrics()
+    with _CountCalls() as counter:
+        assert stats.compute(model, step=7, max_abs=True) is report
+    assert counter.calls.get("tolist") == 1 and report.has_max_abs
+    per_tensor = {n: p.grad.norm().item() for n, p in model.named_parameters() if p.grad is not None}
+    assert report.max_param_norm == pytest.approx(max(per_tensor.values()), rel=1e-5)
+    assert report.max_norm_param == max(per_tensor, key=per_tensor.get)
+    assert 0 < report.max_abs <= report.max_param_norm and report.metrics()["grad/max_abs"] == report.max_abs
+    # a guard clipping in place after the first computation does not change what later readers get
+    before = report.global_norm
+    torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], 0.01)
+    assert stats.compute(model, step=7) is report and stats.compute(model, step=7).global_norm == before
+    dev = stats.device_stats(model, step=7)
+    assert dev.group_norms.shape == (len(dev.groups),) and dev.global_norm.item() == pytest.approx(before, rel=1e-6)
+    # the next step (new gradients) is computed afresh
+    _backward(model, seed=1)
+    fresh = stats.compute(model, step=8)
+    assert fresh is not report and fresh.global_norm != pytest.approx(before * 0.01, rel=1e-3)
+
+
+def test_no_gradients_is_unavailable_never_zero(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    report = GradStats(model).compute(model, step=0)
+    assert not report.available and "no parameter" in report.reason
+    assert report.metrics() == {} and math.isnan(report.global_norm)
+
+
+def test_lora_groups_are_reported(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_tiny_model("qwen2", tokenizer), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    _backward(model)
+    report = GradStats(model).compute(model, step=0)
+    assert set(report.group_norms) == {f"layer_{i}.lora_{s}" for i in range(2) for s in "AB"}
+    _, norms, _, _ = _reference(model)
+    for group, value in norms.items():
+        assert report.group_norms[group] == pytest.approx(value, rel=1e-5, abs=1e-12)
+    # LoRA B starts at zero, so the gradient of A is zero at step one while B gets one
+    assert report.group_norms["layer_0.lora_B"] > 0 and report.group_norms["layer_0.lora_A"] == 0.0
+
+
+def test_a_skip_after_the_first_reader_keeps_the_step_report(tokenizer):
+    """A guard that skips the step (p.grad = None) after reading must not change or break later readers."""
+    model = make_tiny_model("llama", tokenizer)
+    _backward(model)
+    stats = GradStats.shared(model)
+    first = stats.compute(model, step=3)
+    for p in model.parameters():
+        p.grad = None
+    later = stats.compute(model, step=3, max_abs=True)
+    assert later is first and later.available and not later.has_max_abs
+    assert stats.device_stats(model, step=3).global_norm.item() == pytest.approx(first.global_norm)
+    assert not stats.compute(model, step=4).available  # the next step has no gradients at all

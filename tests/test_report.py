@@ -1,0 +1,80 @@
+"""`hf-stable report OUTPUT_DIR`: events table and plots from a real run with an injected fault."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import make_tiny_model
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hf_stable.callbacks.monitors import build_monitors
+from hf_stable.cli import main as cli_main
+from hf_stable.config import MonitorsConfig
+from hf_stable.reporting.report import REPORT_DIR, REPORT_FILE, render_report
+
+
+class _SpikeLoss(TrainerCallback):
+    """Scales one parameter's gradient by 1e6 at one step: a gradient explosion the monitors must report."""
+
+    def __init__(self, param, at_step):
+        self.param, self.at_step, self.handle = param, at_step, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.at_step:
+            self.handle = self.param.register_hook(lambda g: g * 1e6)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def test_report_from_a_run_with_an_injected_fault(tokenizer, tmp_path, capsys):
+    model = make_tiny_model("llama", tokenizer)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": (x := torch.randint(3, 512, (24,), generator=g)), "labels": x.clone()} for _ in range(40)]
+    target = model.model.embed_tokens.weight
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=8, logging_steps=3,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, max_grad_norm=0.0,
+                             learning_rate=1e-4)
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[*build_monitors(MonitorsConfig()), _SpikeLoss(target, at_step=4)])
+    trainer.train()
+    trainer.save_state()
+
+    assert cli_main(["report", str(tmp_path)]) == 0
+    report_path = tmp_path / REPORT_DIR / REPORT_FILE
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(report_path)
+    text = report_path.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 4 |")]
+    assert any("grad_explosion" in r and "error" in r for r in rows), text
+    assert any("grad_max_abs" in r and "embeddings" in r and "model.embed_tokens.weight" in r for r in rows), text
+    for name in ("loss.png", "learning_rate.png", "grad_norms.png", "memory.png"):
+        assert (tmp_path / REPORT_DIR / name).stat().st_size > 1000, name
+        assert f"]({name})" in text  # links relative to report/
+    assert "### At a glance" in text and "grad norm (median / max finite)" in text
+
+    card_section = render_report(tmp_path, trainer.state.log_history)
+    assert "](report/grad_norms.png)" in card_section and "| kind | count | first step | last step |" in card_section
+
+
+def test_report_heatmap_for_many_groups_and_errors(tmp_path, capsys):
+    history = []
+    for step in range(1, 21):
+        row = {"step": step, "loss": 3.0 - 0.05 * step, "learning_rate": 1e-4, "grad/norm_global": 1.0 + step,
+               "mem/rss_gib": 1.0}
+        row.update({f"grad/norm/layer_{i}.lora_{s}": 0.1 * (i + 1) for i in range(12) for s in "AB"})
+        row["grad/norm/layer_3.lora_B"] = float("nan") if step == 7 else 0.4
+        history.append(row)
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert cli_main(["report", str(tmp_path)]) == 0
+    text = (tmp_path / REPORT_DIR / REPORT_FILE).read_text()
+    assert "No stability events were recorded" in text
+    assert (tmp_path / REPORT_DIR / "grad_norms.png").stat().st_size > 1000
+
+    assert cli_main(["report", str(tmp_path / "missing")]) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli_main(["report", str(empty)]) == 2
+    assert "neither trainer_state.json" in capsys.readouterr().err
