@@ -10,6 +10,15 @@ How the recipe should configure `TrainingArguments` for them:
 * `restore_callback_states_from_checkpoint` is not needed: hf_stable callbacks keep their state in
   `TrainerState.stateful_callbacks["hf_stable"]` and restore it themselves on resume.
 * `logging_steps` decides how often metrics appear in the logs; alerts are judged every step regardless.
+
+YAML (every key optional; defaults shown in docs/CONFIG.md):
+
+    stability:
+      monitors:
+        grad: {explosion_norm: 1.0e4, vanishing_norm: 1.0e-6, max_abs: 1.0e3}
+        nonfinite: {detect_anomaly: true}
+        loss: {spike_zscore: 6.0, plateau_window: 200, plateau_early_stop: true}
+        update: {every_n_steps: 20}
 """
 
 from __future__ import annotations
