@@ -17,6 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from transformers import Trainer  # noqa: E402
 
 from hf_stable.callbacks import build_callbacks  # noqa: E402
+from hf_stable.callbacks.guards import guard_training_overrides, wrap_for_phases  # noqa: E402
 from hf_stable.config import load_config, training_arguments  # noqa: E402
 from hf_stable.data import build_data  # noqa: E402
 from hf_stable.doctor import preflight  # noqa: E402
@@ -34,7 +35,10 @@ def main(argv: list[str]) -> None:
     started = time.time()
     with error_boundary():
         cfg = load_config(argv=argv)
-        args = training_arguments(cfg, remove_unused_columns=False)
+        # hf_stable owns clipping (max_grad_norm=0) and, for batch warmup / thermal, gradient accumulation
+        args = training_arguments(
+            cfg, remove_unused_columns=False, **guard_training_overrides(cfg.stability.guards, cfg.training)
+        )
     output = OutputDir(args.output_dir)
     with error_boundary(output):
         output.start(cfg.to_dict())
@@ -64,6 +68,8 @@ def main(argv: list[str]) -> None:
 
         # 3. optimizer groups (layer-wise LR, no-decay groups, LoRA+)
         optimizer = build_optimizer(model, cfg.optim, args)
+        if cfg.stability.guards.enabled and cfg.stability.guards.phases.enabled:
+            optimizer = wrap_for_phases(optimizer, cfg.stability.guards.phases, cfg.optim)
         table = group_table(optimizer)
         output.write_json("optimizer_groups.json", table)
         print_main(format_group_table(table))

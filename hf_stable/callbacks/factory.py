@@ -12,6 +12,10 @@ def build_callbacks(cfg, args=None) -> list:
         from hf_stable.callbacks.monitors import build_monitors
 
         callbacks += build_monitors(stability.monitors)
+    if stability.guards.enabled:
+        from hf_stable.callbacks.guards import build_guards
+
+        callbacks += build_guards(stability.guards, training=cfg.training)
     from hf_stable.callbacks.attention_monitor import build_attention_callbacks
 
     callbacks += build_attention_callbacks(cfg.attention)

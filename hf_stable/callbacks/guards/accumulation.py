@@ -1,0 +1,199 @@
+"""`AccumulationControl`: change gradient accumulation between optimizer steps, correctly, inside the stock Trainer.
+
+How (transformers 5.24, verified in `tests/test_guards_accumulation.py`): the Trainer's epoch loop re-reads
+`args.gradient_accumulation_steps` at every optimizer step — it fetches that many micro-batches, counts their
+supervised tokens (`num_items_in_batch`, summed over ranks) and each micro-batch loss is `sum / num_items`. So
+changing the attribute between steps changes the effective batch with the per-token loss normalisation still
+exact: the accumulated gradient is the gradient of the token-mean loss over exactly the micro-batches of that
+step (and without `num_items_in_batch` the Trainer divides by the number of fetched micro-batches).
+
+Two constraints make it correct:
+
+* **Alignment.** The Trainer decides "optimizer step now" with `(micro_index + 1) % accumulation == 0`, where
+  `micro_index` counts micro-batches from the start of the epoch. A new value `k` is applied only at a step end
+  where the micro-batches consumed in this epoch are a multiple of `k` (read from `state.epoch` x the
+  dataloader length), else it waits — at most a few steps (2 -> 4: one; 8 -> 6: two).
+* **Loop size.** The Trainer sizes its loop from the accumulation at train start: with 1 (the recipe forces it,
+  `guard_training_overrides`) every update step may fetch any number of micro-batches and the epoch's last,
+  partial step still gets the right normalisation; a start value > 1 is refused, because the Trainer's last step
+  of each epoch fetches a fixed remainder that a changed accumulation would split wrongly. The price: with
+  `max_steps > 0` the Trainer plans `ceil(max_steps / L)` epochs of L micro-batches — enough for accumulation 1
+  only. So the guard checks at train start that the data holds the micro-batches the plan needs (batch warmup's
+  schedule, the full target otherwise) and otherwise stops with a ConfigError naming the numbers; a run of less
+  than one epoch (typical for LLM fine-tuning) always fits, a multi-epoch run repeats its dataset.
+
+The LR factor `accumulation` (in `LRControl`) compensates the smaller batch: `(k / target) ** 0.5` (sqrt) or
+`k / target` (linear). Requests from guards (batch warmup, thermal) are ratios of the target and multiply.
+
+Limits: DeepSpeed keeps its own accumulation (the guard says it is off). On resume, the guard state (stage,
+factor) is restored, but the Trainer skips `global_step x start_accumulation` batches of the resumed epoch (it
+assumes a fixed accumulation), so the data position is approximate; accumulation restarts at 1 until the first
+aligned step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.guards.distributed import sharded_reason
+from hf_stable.callbacks.guards.lr_control import LRControl
+from hf_stable.errors import ConfigError
+
+
+def lr_scale(ratio: float, rule: str) -> float:
+    """LR factor for a batch `ratio` of the target (see `hf_stable.optim.rescale_lr`)."""
+    if rule == "none":
+        return 1.0
+    return ratio if rule == "linear" else math.sqrt(ratio)
+
+
+class AccumulationControl(StabilityCallback):
+    """Applies the accumulation the guards request (aligned), with the LR compensation; event
+    `accumulation_changed`, metric `batch/accumulation`.
+
+    Args:
+        lr_control: the `LRControl` holding the `accumulation` factor.
+        target: the full accumulation (the recipe's `training.gradient_accumulation_steps`).
+        lr_rule: "sqrt", "linear" or "none".
+        enabled: when False the callback does nothing.
+
+    Raises:
+        ConfigError: at train start when `max_steps <= 0`, when TrainingArguments.gradient_accumulation_steps
+            is not 1, or when the data cannot feed the planned micro-batches.
+
+    Example:
+        >>> lr = LRControl()
+        >>> acc = AccumulationControl(lr, target=8)
+        >>> callbacks = [BatchWarmupGuard(acc), acc, lr]     # TrainingArguments(gradient_accumulation_steps=1)
+    """
+
+    def __init__(self, lr_control: LRControl, target: int = 1, lr_rule: str = "sqrt", enabled: bool = True):
+        super().__init__(enabled)
+        self.lr_control = lr_control
+        self.target = max(1, int(target))
+        self.lr_rule = lr_rule
+        self._requests: dict[str, float] = {}
+        self._plans: dict[str, object] = {}
+        self._current: int | None = None
+        self._waiting_since: int | None = None
+        self._args = None
+        self._off = False
+        self.history: list[tuple[int, int]] = []  # (step at which it applies from, accumulation)
+
+    # --- requests ---------------------------------------------------------------------------------------
+    def request(self, name: str, ratio: float) -> None:
+        """Ask for `ratio` x the target accumulation (1.0 withdraws the request)."""
+        if not 0 < ratio <= 1:
+            raise ValueError(f"accumulation ratio for {name!r} must be in (0, 1], got {ratio}")
+        if ratio == 1.0:
+            self._requests.pop(name, None)
+        else:
+            self._requests[name] = float(ratio)
+
+    def add_plan(self, name: str, fn) -> None:
+        """`fn(step) -> ratio` the requester will ask for after `step` completed steps (for the capacity check;
+        a requester without a plan counts as 1.0, the full target)."""
+        self._plans[name] = fn
+
+    def planned_micro_batches(self, start: int, end: int) -> int:
+        """Micro-batches steps start+1 .. end would consume per rank if every plan holds."""
+        total = 0
+        for step in range(start, end):
+            ratio = math.prod(fn(step) for fn in self._plans.values()) if self._plans else 1.0
+            total += max(1, min(self.target, int(round(self.target * ratio))))
+        return total
+
+    @property
+    def desired(self) -> int:
+        value = self.target * math.prod(self._requests.values()) if self._requests else self.target
+        return max(1, min(self.target, int(round(value))))
+
+    @property
+    def current(self) -> int | None:
+        return self._current
+
+    def state_dict(self) -> dict:
+        return {"requests": dict(self._requests), "current": self._current}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._requests = {k: float(v) for k, v in state.get("requests", {}).items()}
+
+    # --- application ----------------------------------------------------------------------------------------
+    def _set(self, step: int, value: int) -> None:
+        old = self._current
+        self._current = value
+        self._args.gradient_accumulation_steps = value
+        self.lr_control.set_factor("accumulation", lr_scale(value / self.target, self.lr_rule))
+        self.history.append((step + 1, value))
+        self.record({"batch/accumulation": float(value)})
+        if old is not None and old != value:
+            self.event(step, "accumulation_changed",
+                       f"gradient accumulation {old} -> {value} from step {step + 1} (target {self.target}; "
+                       f"requests {self._requests or 'none'}); LR factor {self.lr_control.factor('accumulation'):.3g}",
+                       value=value, threshold=self.target, severity="info", previous=old)
+
+    @staticmethod
+    def _micro_in_epoch(state, train_dataloader) -> int | None:
+        try:
+            n = len(train_dataloader)
+        except TypeError:
+            return None
+        if not n:
+            return None
+        return int(round(state.epoch * n)) % n
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if not self.enabled:
+            return
+        self._args = args
+        self._off = (sharded_reason(args) or "").startswith("DeepSpeed")
+        if self._off:
+            self.event(state.global_step, "guard_off", "accumulation control is off under DeepSpeed (its engine owns "
+                       "gradient accumulation)", severity="info")
+            return
+        if args.max_steps is None or args.max_steps <= 0:
+            raise ConfigError("training.max_steps: batch warmup / the thermal guard change gradient accumulation "
+                              "during the run and need a fixed number of optimizer steps; set training.max_steps > 0")
+        if state.global_step == 0:
+            self._check_capacity(args, kwargs.get("train_dataloader"))
+        # A fresh run starts at micro-batch 0 (aligned for any value); a resumed one at 1 until aligned.
+        self._current = None
+        self._set(state.global_step, self.desired if state.global_step == 0 else 1)
+
+    def _check_capacity(self, args, train_dataloader) -> None:
+        if args.gradient_accumulation_steps != 1:
+            raise ConfigError(
+                f"training.gradient_accumulation_steps: got {args.gradient_accumulation_steps} in TrainingArguments; "
+                "with batch warmup / the thermal guard it must be 1 (the guard sets the real value; pass the target "
+                "as build_guards(cfg, training) / AccumulationControl(target=...)). guard_training_overrides() "
+                "does this for the recipe."
+            )
+        try:
+            per_epoch = len(train_dataloader)
+        except TypeError:
+            return  # an iterable dataset: the Trainer loops over it as often as needed
+        epochs = math.ceil(args.max_steps / max(per_epoch, 1))
+        have, need = epochs * per_epoch, self.planned_micro_batches(0, args.max_steps)
+        if need > have:
+            raise ConfigError(
+                f"training.max_steps: {args.max_steps} steps with accumulation up to {self.target} need {need} "
+                f"micro-batches per rank, but the Trainer plans {epochs} epoch(s) of {per_epoch} (it sizes epochs "
+                f"for accumulation 1 when the accumulation changes during the run). Repeat the training set at "
+                f"least {math.ceil(need / per_epoch)}x (datasets.concatenate_datasets([ds] * k)), lower max_steps, "
+                "or turn batch warmup / the thermal guard off."
+            )
+
+    def on_step_end(self, args, state, control, train_dataloader=None, **kwargs):
+        if self.enabled and not self._off and self._args is not None:
+            want = self.desired
+            if want != self._current:
+                micro = self._micro_in_epoch(state, train_dataloader)
+                if micro is not None and micro % want == 0:
+                    self._set(state.global_step, want)
+                    self._waiting_since = None
+                elif self._waiting_since is None:
+                    self._waiting_since = state.global_step
+            self.record({"batch/accumulation": float(self._current)})
+        super().on_step_end(args, state, control, train_dataloader=train_dataloader, **kwargs)

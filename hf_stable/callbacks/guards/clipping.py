@@ -1,0 +1,210 @@
+"""`ClipGuard`: gradient clipping owned by hf_stable — global, per group, or adaptive per group (ZClip-style).
+
+It replaces the Trainer's single global clip (the recipe sets `TrainingArguments.max_grad_norm=0`; with both on
+the gradients would be clipped twice and the statistics would be post-clip, so the guard warns). It reuses the
+norms `GradStats` already computed for the monitors — one gradient computation per step — and decides the
+per-group coefficients on the host from that single transfer; applying them is one `_foreach_mul_` per clipped
+group on device, so clipping adds no host sync.
+
+Modes:
+
+* `global`: scale every gradient by `min(1, max_norm / ||g||)` (what `clip_grad_norm_` does).
+* `per_group`: each report group (embeddings, each decoder layer, each layer's LoRA A and B, final norm,
+  lm_head) is clipped to the max norm of its site: embeddings 0.3, decoder layers 0.8, lm_head 0.5 by default.
+* `adaptive`: per group, an EMA (alpha 0.97) of the norm's mean and variance; a group whose z-score exceeds
+  `z_threshold` (2.5) is scaled to `mean + z * std` and the EMA learns the clipped value, so one spike cannot
+  drag the threshold up. The first `warmup_steps` steps only collect statistics. `max_norm` stays an outer
+  global cap (and is the only rule during warm-up).
+* `agc_lambda` (any mode): unit-wise adaptive gradient clipping, `||g_row|| <= lambda * max(||w_row||, eps)`.
+  Zero-initialised LoRA B has `||w|| = 0`, so its rows are held to `lambda * eps` until B grows; keep AGC off
+  for LoRA unless `agc_eps` is set accordingly.
+
+A step the `SkipGuard` skips is not clipped and not learned from.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.guards.distributed import sharded_reason
+from hf_stable.callbacks.grad_stats import GradReport, GradStats
+
+MODES = ("global", "per_group", "adaptive")
+DEFAULT_GROUP_MAX_NORM = {"embeddings": 0.3, "layer": 0.8, "norm": 0.8, "lm_head": 0.5, "other": 1.0}
+
+
+def site_of(group: str) -> str:
+    """'layer_3.lora_B' -> 'layer', 'embeddings.lora_A' -> 'embeddings', 'lm_head' -> 'lm_head'."""
+    head = group.split(".")[0]
+    return "layer" if head.startswith("layer_") else head
+
+
+class ClipGuard(StabilityCallback):
+    """Clips gradients globally, per group or adaptively per group; metrics `clip/*`.
+
+    Args:
+        mode: "global", "per_group" or "adaptive".
+        max_norm: global max norm (global mode); outer cap and warm-up rule (adaptive); None = no cap.
+        group_max_norm: per_group mode: max norm per site (embeddings, layer, norm, lm_head, other).
+        ema_alpha: adaptive: EMA decay of each group's norm mean and variance.
+        z_threshold: adaptive: clip groups whose z-score exceeds this.
+        warmup_steps: adaptive: steps of statistics before z-clipping.
+        agc_lambda: unit-wise AGC ratio (None = off).
+        agc_eps: AGC floor of the weight-row norm.
+        skip_guard: the `SkipGuard` (listed before this guard); skipped steps are left alone.
+        enabled: when False the callback does nothing.
+
+    Raises:
+        ValueError: an unknown mode.
+
+    Example:
+        >>> ClipGuard(mode="per_group", group_max_norm={"embeddings": 0.3, "layer": 0.8, "lm_head": 0.5})
+    """
+
+    def __init__(
+        self,
+        mode: str = "adaptive",
+        max_norm: float | None = 1.0,
+        group_max_norm: dict[str, float] | None = None,
+        ema_alpha: float = 0.97,
+        z_threshold: float = 2.5,
+        warmup_steps: int = 25,
+        agc_lambda: float | None = None,
+        agc_eps: float = 1e-3,
+        skip_guard=None,
+        enabled: bool = True,
+    ):
+        super().__init__(enabled)
+        if mode not in MODES:
+            raise ValueError(f"ClipGuard mode: got {mode!r}, allowed: {', '.join(MODES)}")
+        self.mode = mode
+        self.max_norm = max_norm
+        self.group_max_norm = {**DEFAULT_GROUP_MAX_NORM, **(group_max_norm or {})}
+        self.ema_alpha = ema_alpha
+        self.z_threshold = z_threshold
+        self.warmup_steps = warmup_steps
+        self.agc_lambda = agc_lambda
+        self.agc_eps = agc_eps
+        self.skip_guard = skip_guard
+        self._stats: dict[str, list[float]] = {}  # group -> [mean, var, n]
+        self._clipped_steps = 0
+        self._off = False
+        self.last_coefficients: dict[str, float] = {}
+
+    @classmethod
+    def from_config(cls, cfg, skip_guard=None) -> ClipGuard:
+        names = ("mode", "max_norm", "group_max_norm", "ema_alpha", "z_threshold", "warmup_steps", "agc_lambda",
+                 "agc_eps", "enabled")
+        return cls(skip_guard=skip_guard, **{n: getattr(cfg, n) for n in names})
+
+    # --- state -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"stats": {g: list(v) for g, v in self._stats.items()}, "clipped_steps": self._clipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._stats = {g: [float(x) for x in v] for g, v in state.get("stats", {}).items()}
+        self._clipped_steps = int(state.get("clipped_steps", 0))
+
+    # --- decisions (pure, host numbers) -------------------------------------------------------------------
+    def coefficients(self, group_norms: dict[str, float], global_norm: float) -> dict[str, float]:
+        """Scale factor per group (1.0 = untouched) for this step; the adaptive statistics learn from it."""
+        finite = {g: n for g, n in group_norms.items() if math.isfinite(n)}
+        coefs = dict.fromkeys(group_norms, 1.0)
+        if self.mode == "global":
+            if math.isfinite(global_norm) and self.max_norm is not None:
+                c = min(1.0, self.max_norm / (global_norm + 1e-6))
+                coefs = dict.fromkeys(group_norms, c)
+            return coefs
+        if self.mode == "per_group":
+            for g, n in finite.items():
+                coefs[g] = min(1.0, self.group_max_norm.get(site_of(g), self.group_max_norm["other"]) / (n + 1e-6))
+            return coefs
+        a = self.ema_alpha
+        for g, n in finite.items():
+            mean, var, count = self._stats.get(g, [0.0, 0.0, 0.0])
+            clipped = n
+            if count >= self.warmup_steps:
+                limit = mean + self.z_threshold * math.sqrt(max(var, 0.0))
+                if n > limit > 0:
+                    coefs[g] = limit / n
+                    clipped = limit
+                delta = clipped - mean
+                mean = a * mean + (1 - a) * clipped
+                var = a * var + (1 - a) * delta * delta
+            else:  # warm-up: exact running mean / variance (Welford) as the EMA's starting point
+                count_new = count + 1
+                delta = n - mean
+                mean += delta / count_new
+                var += (delta * (n - mean) - var) / count_new
+            self._stats[g] = [mean, var, min(count + 1, self.warmup_steps)]
+        if self.max_norm is not None:
+            after = math.sqrt(sum((coefs[g] * n) ** 2 for g, n in finite.items()))
+            if after > self.max_norm:
+                cap = self.max_norm / (after + 1e-6)
+                coefs = {g: c * cap for g, c in coefs.items()}
+        return coefs
+
+    def _apply(self, dev, coefs: dict[str, float]) -> None:
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for p, gi in zip(dev.params, dev.group_ids):
+            if p.grad is not None:
+                by_group.setdefault(gi, []).append(p.grad)
+        for gi, grads in by_group.items():
+            c = coefs.get(dev.groups[gi], 1.0)
+            if c < 1.0:
+                torch._foreach_mul_(grads, c)
+
+    def _agc(self, dev) -> None:
+        with torch.no_grad():
+            for p in dev.params:
+                g = p.grad
+                if g is None:
+                    continue
+                dims = tuple(range(1, g.dim())) if g.dim() > 1 else None
+                w_norm = (p.detach().float().norm(dim=dims, keepdim=True) if dims
+                          else p.detach().float().norm()).clamp_min(self.agc_eps)
+                g_norm = g.float().norm(dim=dims, keepdim=True) if dims else g.float().norm()
+                limit = self.agc_lambda * w_norm
+                factor = torch.where(g_norm > limit, limit / g_norm.clamp_min(1e-12), torch.ones_like(g_norm))
+                g.mul_(factor.to(g.dtype))
+
+    # --- Trainer hooks ------------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if not self.enabled:
+            return
+        reason = sharded_reason(args)
+        self._off = reason is not None
+        if self._off:
+            self.event(state.global_step, "guard_off", f"ClipGuard is off: {reason}; use the engine's own clipping "
+                       "(DeepSpeed gradient_clipping, TrainingArguments.max_grad_norm under FSDP)", severity="info")
+        elif args.max_grad_norm and args.max_grad_norm > 0:
+            self.event(state.global_step, "guard_notice",
+                       f"TrainingArguments.max_grad_norm={args.max_grad_norm} clips before this guard: gradients are "
+                       "clipped twice and the statistics are post-clip; set max_grad_norm=0", severity="warning")
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.enabled or self._off or model is None:
+            return
+        step = state.global_step + 1
+        verdict = self.skip_guard.verdict_for(step) if self.skip_guard is not None else None
+        if verdict is not None and verdict.skip:
+            return
+        stats = GradStats.shared(model)
+        report: GradReport = stats.compute(model, step=state.global_step)
+        dev = stats.device_stats(model, step=state.global_step)
+        if not report.available or dev is None:
+            return
+        coefs = self.coefficients(report.group_norms, report.global_norm)
+        self._apply(dev, coefs)
+        if self.agc_lambda is not None:
+            self._agc(dev)
+        self.last_coefficients = coefs
+        clipped = [g for g, c in coefs.items() if c < 1.0]
+        self._clipped_steps += bool(clipped)
+        after = math.sqrt(sum((coefs[g] * n) ** 2 for g, n in report.group_norms.items() if math.isfinite(n)))
+        self.record({"clip/coef_min": min(coefs.values(), default=1.0), "clip/groups_clipped": float(len(clipped)),
+                     "clip/norm_after": after, "clip/steps_clipped": float(self._clipped_steps)})

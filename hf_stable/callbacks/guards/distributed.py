@@ -1,0 +1,64 @@
+"""Making every rank take the same decision, and what a guard needs to know about the run's layout."""
+
+from __future__ import annotations
+
+import os
+
+from hf_stable.callbacks.monitor_utils import reduce_host, world_size
+from hf_stable.errors import HfStableError
+
+
+class GuardOrderError(HfStableError):
+    """Guards that read another guard's verdict were listed before it in `callbacks=`."""
+
+
+def agree(flags: list[float], device) -> list[float]:
+    """Max-reduce 0/1 flags (or numbers) over ranks, so every rank acts on the same decision.
+
+    Every rank must call this in the same hook at the same step (it is one collective); on one process it
+    returns the flags unchanged.
+    """
+    return reduce_host([float(f) for f in flags], "max", device)
+
+
+def sharded_reason(args) -> str | None:
+    """Why the guards cannot act on `p.grad` / the optimizer here (DeepSpeed ZeRO, FSDP), or None.
+
+    DeepSpeed keeps gradients in its own buffers and steps its own optimizer; FSDP shards gradients, so a
+    per-tensor decision would differ per rank. The guards then say once that they are off.
+    """
+    env = os.environ
+    if getattr(args, "deepspeed", None) or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
+        return "DeepSpeed keeps gradients in its own buffers and steps its own optimizer"
+    if getattr(args, "fsdp", None) or env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        return "FSDP shards gradients and parameters across ranks"
+    return None
+
+
+def rank_of(args) -> int:
+    return int(getattr(args, "process_index", 0) or 0)
+
+
+def drop_gradients(optimizer, model=None) -> int:
+    """Set `p.grad = None` for every parameter the optimizer updates (and every trainable one of `model`).
+
+    This is what skips a step: AdamW/Lion/SGD leave a parameter without a gradient untouched — no moment update,
+    no weight decay. Zeroing the gradient would not skip: momentum and decay still move the weights.
+    Returns how many gradients were dropped.
+    """
+    n = 0
+    seen: set[int] = set()
+    params = [p for g in (optimizer.param_groups if optimizer is not None else []) for p in g["params"]]
+    if model is not None:
+        params += [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.grad is not None:
+            p.grad = None
+            n += 1
+    return n
+
+
+__all__ = ["GuardOrderError", "agree", "drop_gradients", "rank_of", "sharded_reason", "world_size"]

@@ -1,0 +1,119 @@
+"""`LRControl`: persistent LR factors that compose with the Trainer's scheduler instead of fighting it.
+
+The scheduler rewrites every `param_group["lr"]` at each `lr_scheduler.step()`, so a guard that sets the LR once
+loses it one step later. Here each guard owns a named factor (`rollback`, `snr`, `accumulation`, `phase`); their
+product (clamped) is applied on top of whatever the scheduler set:
+
+* `on_pre_optimizer_step` (just before `optimizer.step()`): remember each group's scheduler LR, set
+  `lr = scheduler_lr * product`.
+* `on_optimizer_step` (just after it, before `lr_scheduler.step()`): put the scheduler's values back, so
+  chainable schedulers that read `group["lr"]` never compound the factor and the Trainer's logged
+  `learning_rate` stays the schedule's own value. The effective LR is logged as `lr/effective` and the product as
+  `lr/factor`.
+
+A factor changed inside that window (e.g. a rollback decided in `on_pre_optimizer_step` by a guard listed after
+this one) is applied immediately, so the order of guards in the callback list does not matter here. Factors are
+saved with the callback state and restored on resume.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hf_stable.callbacks.base import StabilityCallback
+
+
+def unwrap_optimizer(optimizer):
+    """The optimizer under accelerate's `AcceleratedOptimizer` (param groups are shared either way)."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if inner is not None and hasattr(inner, "param_groups") else optimizer
+
+
+class LRControl(StabilityCallback):
+    """Multiplies each param group's scheduler LR by the product of named factors, every step.
+
+    Args:
+        min_factor: the product never goes below this ...
+        max_factor: ... nor above this.
+        enabled: when False factors are kept but never applied.
+
+    Example:
+        >>> control = LRControl()
+        >>> control.multiply("rollback", 0.5)          # persists across scheduler steps
+        >>> trainer = Trainer(..., callbacks=[control])
+    """
+
+    def __init__(self, min_factor: float = 1e-3, max_factor: float = 10.0, enabled: bool = True):
+        super().__init__(enabled)
+        self.min_factor = min_factor
+        self.max_factor = max_factor
+        self._factors: dict[str, float] = {}
+        self._named: set[str] = set()
+        self._optimizer = None
+        self._scheduler_lrs: list[float] | None = None  # set between pre-optimizer step and optimizer step
+
+    @classmethod
+    def from_config(cls, cfg) -> LRControl:
+        return cls(min_factor=cfg.min_factor, max_factor=cfg.max_factor)
+
+    # --- factors ---------------------------------------------------------------------------------
+    @property
+    def factors(self) -> dict[str, float]:
+        return dict(self._factors)
+
+    def factor(self, name: str) -> float:
+        return self._factors.get(name, 1.0)
+
+    @property
+    def product(self) -> float:
+        value = math.prod(self._factors.values()) if self._factors else 1.0
+        return min(max(value, self.min_factor), self.max_factor)
+
+    def set_factor(self, name: str, value: float) -> None:
+        """Set factor `name` (1.0 removes it). Applied now if the optimizer step is under way, else next step."""
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"LR factor {name!r} must be a finite number > 0, got {value}")
+        if value == 1.0:
+            self._factors.pop(name, None)
+        else:
+            self._factors[name] = float(value)
+        if self._scheduler_lrs is not None:
+            self._apply()
+
+    def multiply(self, name: str, by: float) -> float:
+        """Multiply factor `name` by `by`; returns the new factor."""
+        self.set_factor(name, self.factor(name) * by)
+        return self.factor(name)
+
+    # --- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"factors": dict(self._factors)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._factors = {k: float(v) for k, v in state.get("factors", {}).items()}
+
+    # --- application ---------------------------------------------------------------------------------
+    def _apply(self) -> None:
+        groups = self._optimizer.param_groups
+        product = self.product if self.enabled else 1.0
+        for group, lr in zip(groups, self._scheduler_lrs):
+            group["lr"] = lr * product
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is None:
+            return
+        self._optimizer = unwrap_optimizer(optimizer)
+        self._scheduler_lrs = [g["lr"] for g in self._optimizer.param_groups]
+        self._apply()
+        if self.enabled and self._scheduler_lrs:
+            self.record({"lr/factor": self.product, "lr/effective": self._optimizer.param_groups[0]["lr"]})
+            self._named |= set(self._factors)
+            # a factor back at 1.0 is logged as 1.0 (not left at its last value in a multi-step log line)
+            self.record({f"lr/factor/{name}": self._factors.get(name, 1.0) for name in sorted(self._named)})
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._scheduler_lrs is None:
+            return
+        for group, lr in zip(self._optimizer.param_groups, self._scheduler_lrs):
+            group["lr"] = lr
+        self._scheduler_lrs = None

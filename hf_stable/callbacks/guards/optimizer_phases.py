@@ -1,0 +1,268 @@
+"""Optimizer phases: e.g. AdamW until step 500, SGD+momentum until 2000, then Lion — inside the stock Trainer.
+
+The Trainer, accelerate's wrapper and the LR scheduler all hold a reference to the optimizer object, so it cannot
+be replaced mid-run. `PhasedOptimizer` is that object from the start: a thin `torch.optim.Optimizer` whose
+`param_groups`, `state`, `step` and `zero_grad` are those of an inner optimizer that `switch()` replaces in
+place. The new inner optimizer gets the same groups in the same order — the factory's roles, names, per-group LR
+(LLRD, LoRA+), `initial_lr` and weight decay — so the scheduler keeps scaling each group from its own base LR;
+optimizer-specific keys (betas, eps, momentum ...) are the new optimizer's own. A phase's `lr_scale` is the
+`phase` factor of `LRControl` (Lion wants a smaller LR, SGD a larger one).
+
+State policy at a switch (`state_policy`):
+
+* `reset`: the new optimizer starts fresh.
+* `carry_momentum` (default): the first moment survives where the new optimizer has one — AdamW/Lion `exp_avg`
+  (an EMA of gradients) seeds Lion's `exp_avg` or, times 1/(1 - momentum), SGD's `momentum_buffer` (a sum), and
+  an SGD buffer seeds `exp_avg` the other way round. AdamW always starts fresh: its bias correction assumes
+  zero-initialised moments, and a second moment cannot be made up.
+
+Resumable: `state_dict()` holds the phase index and the inner optimizer's state, so the Trainer's own checkpoint
+(optimizer.pt) restores the right optimizer; the guard's trigger state rides in the callback state. Switches are
+decided from `global_step` or from the per-step loss that `GradStats` already sums over ranks, so every rank
+switches at the same step. Not supported with `optimizer_cls_and_kwargs` (FSDP) or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.grad_stats import GradStats
+from hf_stable.callbacks.guards.lr_control import LRControl, unwrap_optimizer
+from hf_stable.callbacks.step_tap import StepTap
+from hf_stable.errors import ConfigError
+
+
+def make_optimizer(name: str, groups: list[dict], optim_cfg=None) -> torch.optim.Optimizer:
+    """AdamW / SGD / Lion over ready param groups (each with its own lr and weight_decay)."""
+    from hf_stable.config.optim import OptimConfig
+
+    cfg = optim_cfg or OptimConfig()
+    if name == "adamw":
+        return torch.optim.AdamW(groups)
+    if name == "sgd":
+        return torch.optim.SGD(groups, momentum=cfg.sgd_momentum, nesterov=cfg.sgd_nesterov and cfg.sgd_momentum > 0)
+    if name == "lion":
+        from lion_pytorch import Lion
+
+        return Lion(groups, betas=tuple(cfg.lion_betas))
+    raise ConfigError(f"phases[].name: got {name!r}, allowed: 'adamw', 'sgd', 'lion'")
+
+
+def _first_moment(opt: torch.optim.Optimizer, p) -> torch.Tensor | None:
+    s = opt.state.get(p, {})
+    if "exp_avg" in s:
+        return s["exp_avg"]
+    buf = s.get("momentum_buffer")
+    if buf is not None:
+        mu = next(g.get("momentum", 0.0) for g in opt.param_groups if any(q is p for q in g["params"]))
+        return buf * (1 - mu)
+    return None
+
+
+class PhasedOptimizer(torch.optim.Optimizer):
+    """An optimizer whose inner optimizer can be switched in place (see module docstring).
+
+    Args:
+        first: the optimizer of phase 0 (e.g. from `build_optimizer`).
+        names: optimizer name of every phase ("adamw", "sgd", "lion"); `names[0]` must match `first`.
+        optim_cfg: the `optim:` section (SGD momentum, Lion betas).
+
+    Example:
+        >>> opt = PhasedOptimizer(build_optimizer(model, cfg.optim, args), ["adamw", "sgd", "lion"], cfg.optim)
+        >>> trainer = Trainer(..., optimizers=(opt, None), callbacks=[OptimizerPhaseGuard(phases, lr)])
+    """
+
+    def __init__(self, first: torch.optim.Optimizer, names: list[str], optim_cfg=None, state_policy="carry_momentum"):
+        # Optimizer.__init__ is not called on purpose: groups and state belong to the inner optimizer.
+        self.names = list(names)
+        self.optim_cfg = optim_cfg
+        self.state_policy = state_policy
+        self.phase = 0
+        self.current = first
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._sync()
+
+    def _sync(self) -> None:
+        self.param_groups = self.current.param_groups
+        self.state = self.current.state
+        self.defaults = self.current.defaults
+
+    def __repr__(self) -> str:
+        return f"PhasedOptimizer(phase {self.phase}: {self.names[self.phase]}, {type(self.current).__name__})"
+
+    def step(self, closure: Callable | None = None):
+        return self.current.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.current.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.current.add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        return {"phase": self.phase, "inner": self.current.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "inner" not in state_dict:  # a plain optimizer's state (phase 0)
+            self.current.load_state_dict(state_dict)
+        else:
+            if int(state_dict["phase"]) != self.phase:
+                self.switch(int(state_dict["phase"]), policy="reset")
+            self.current.load_state_dict(state_dict["inner"])
+        self._sync()  # torch's load_state_dict builds a new param_groups list
+
+    def switch(self, phase: int, policy: str | None = None) -> None:
+        """Replace the inner optimizer by phase `phase`'s, keeping groups (and, per policy, the momentum)."""
+        policy = policy or self.state_policy
+        old = self.current
+        groups = [{k: v for k, v in g.items() if k not in old.defaults or k in ("lr", "weight_decay")}
+                  for g in old.param_groups]
+        new = make_optimizer(self.names[phase], groups, self.optim_cfg)
+        if policy == "carry_momentum" and self.names[phase] != "adamw":
+            with torch.no_grad():
+                for group in new.param_groups:
+                    for p in group["params"]:
+                        m = _first_moment(old, p)
+                        if m is None:
+                            continue
+                        if self.names[phase] == "lion":
+                            new.state[p]["exp_avg"] = m.clone()
+                        elif group.get("momentum", 0.0) > 0:
+                            new.state[p]["momentum_buffer"] = m / (1 - group["momentum"])
+        self.current, self.phase = new, phase
+        self._sync()
+
+
+class OptimizerPhaseGuard(StabilityCallback):
+    """Switches a `PhasedOptimizer` at the configured steps or when the loss flattens; event `optimizer_switch`.
+
+    Args:
+        phases: objects with `name`, `until_step`, `until_dloss_below`, `lr_scale` (e.g. `PhaseConfig`).
+        lr_control: the `LRControl` holding the `phase` LR factor.
+        dloss_ema_beta: EMA decay of |loss[t] - loss[t-1]| for `until_dloss_below`.
+        enabled: when False the callback does nothing.
+
+    Raises:
+        ConfigError: at train start when the Trainer's optimizer is not a `PhasedOptimizer` with these phases.
+
+    Example:
+        >>> lr = LRControl()
+        >>> callbacks = [OptimizerPhaseGuard(cfg.phases, lr), lr]
+    """
+
+    def __init__(self, phases, lr_control: LRControl, dloss_ema_beta: float = 0.98, enabled: bool = True):
+        super().__init__(enabled)
+        self.phases = list(phases)
+        self.lr_control = lr_control
+        self.dloss_ema_beta = dloss_ema_beta
+        self._prev_loss: float | None = None
+        self._dloss_ema: float | None = None
+        self._seen = 0
+        self._optimizer: PhasedOptimizer | None = None
+
+    @classmethod
+    def from_config(cls, cfg, lr_control: LRControl) -> OptimizerPhaseGuard:
+        return cls(cfg.phases, lr_control, cfg.dloss_ema_beta, cfg.enabled)
+
+    def state_dict(self) -> dict:
+        return {"prev_loss": self._prev_loss, "dloss_ema": self._dloss_ema, "seen": self._seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._prev_loss = state.get("prev_loss")
+        self._dloss_ema = state.get("dloss_ema")
+        self._seen = int(state.get("seen", 0))
+
+    @property
+    def dloss_ema(self) -> float | None:
+        return self._dloss_ema
+
+    def observe_loss(self, loss: float) -> None:
+        if not math.isfinite(loss):
+            return
+        if self._prev_loss is not None:
+            d = abs(loss - self._prev_loss)
+            b = self.dloss_ema_beta
+            self._dloss_ema = d if self._dloss_ema is None else b * self._dloss_ema + (1 - b) * d
+            self._seen += 1
+        self._prev_loss = loss
+
+    def due(self, phase: int, step: int) -> bool:
+        """Whether phase `phase` ends after `step` completed steps."""
+        if phase >= len(self.phases) - 1:
+            return False
+        cfg = self.phases[phase]
+        if cfg.until_step is not None and step >= cfg.until_step:
+            return True
+        warm = self._seen >= int(1 / (1 - self.dloss_ema_beta))
+        return (cfg.until_dloss_below is not None and warm and self._dloss_ema is not None
+                and self._dloss_ema < cfg.until_dloss_below)
+
+    def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
+        super().on_train_begin(args, state, control, optimizer=optimizer, model=model, **kwargs)
+        if not self.enabled:
+            return
+        opt = unwrap_optimizer(optimizer)
+        names = [p.name for p in self.phases]
+        if not isinstance(opt, PhasedOptimizer) or opt.names != names:
+            raise ConfigError(
+                f"stability.guards.phases: the Trainer's optimizer is {type(opt).__name__}; optimizer phases need "
+                f"PhasedOptimizer(first_optimizer, {names}) passed as Trainer(optimizers=(opt, None))"
+            )
+        self._optimizer = opt
+        self.lr_control.set_factor("phase", self.phases[opt.phase].lr_scale)
+        if model is not None:
+            StepTap.shared(model).attach()
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.enabled and model is not None:
+            StepTap.shared(model).begin_step()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.enabled and model is not None:
+            report = GradStats.shared(model).compute(model, step=state.global_step)
+            den = report.extras.get("loss_den", 0.0)
+            if den:
+                self.observe_loss(report.extras["loss_num"] / den)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        opt = self._optimizer
+        if self.enabled and opt is not None and self.due(opt.phase, state.global_step):
+            old = opt.names[opt.phase]
+            opt.switch(opt.phase + 1)
+            self.lr_control.set_factor("phase", self.phases[opt.phase].lr_scale)
+            why = (f"step {state.global_step} reached" if self.phases[opt.phase - 1].until_step is not None
+                   and state.global_step >= self.phases[opt.phase - 1].until_step
+                   else f"|dloss| EMA {self._dloss_ema:.3g} below {self.phases[opt.phase - 1].until_dloss_below:g}")
+            self.event(state.global_step, "optimizer_switch",
+                       f"optimizer {old} -> {opt.names[opt.phase]} after step {state.global_step} ({why}); state "
+                       f"policy {opt.state_policy}; LR factor {self.phases[opt.phase].lr_scale:g}",
+                       value=opt.phase, severity="info", previous=old, current=opt.names[opt.phase])
+        super().on_step_end(args, state, control, **kwargs)
+
+
+_NAME_OF = {"AdamW": "adamw", "SGD": "sgd", "Lion": "lion"}
+
+
+def wrap_for_phases(optimizer: torch.optim.Optimizer, phases_cfg, optim_cfg=None) -> PhasedOptimizer:
+    """The recipe's optimizer wrapped for `stability.guards.phases` (phase 0 built anew if the factory made another).
+
+    Example:
+        >>> optimizer = build_optimizer(model, cfg.optim, args)
+        >>> if cfg.stability.guards.phases.enabled:
+        ...     optimizer = wrap_for_phases(optimizer, cfg.stability.guards.phases, cfg.optim)
+    """
+    names = [p.name for p in phases_cfg.phases]
+    wrapped = PhasedOptimizer(optimizer, names, optim_cfg, phases_cfg.state_policy)
+    if _NAME_OF.get(type(optimizer).__name__) != names[0]:
+        wrapped.switch(0, policy="reset")
+    return wrapped

@@ -1,0 +1,319 @@
+"""`SkipGuard`: skip an optimizer step whose gradients or loss are non-finite, or a spike — on every rank together.
+
+Judged in `on_pre_optimizer_step` from the shared `GradStats` report (pre-clip norms: the recipe sets
+`max_grad_norm=0`; the per-step loss comes from `StepTap`, summed over ranks in the same transfer). The verdict
+flags are max-reduced over ranks (one small collective every step, on every rank), so a NaN seen by one rank
+skips the step everywhere and the ranks never diverge or wait on each other.
+
+Skipping = `p.grad = None` for every trainable parameter: the optimizer leaves such parameters and their state
+untouched (no moment update, no weight decay); zeroing would still move them.
+
+The LR schedule and skipped steps: the step still counts — `global_step` advances, a batch was consumed, and
+the scheduler steps as usual (`lr_scheduler.step()` runs after our hook). So the schedule stays aligned with
+`global_step`/`max_steps` and a run with skips ends on the same final LR; the cost is that a skipped step's
+share of the schedule is not trained. (Under fp16 the grad scaler's own inf-skip also holds the scheduler back:
+accelerate's `optimizer_step_was_skipped`.) `tests/test_guards_trainer.py` checks the schedule on a skipped step.
+
+Rules: non-finite gradients or loss; a grad-norm spike (x `grad_spike_ratio` over its EMA); a loss spike (robust
+z-score over a window *and* a relative margin over its median, so a noisy-but-healthy loss is not a spike); a
+loss rise (a fast EMA of the loss, which follows a divergence step by step, sits `loss_rise_rel` above the recent
+best of a smoothed loss). A rise is not one bad batch but a run going wrong: its steps count as bad steps for
+`RollbackGuard`, which restores the weights from before the rise.
+
+Spike references (an EMA of the grad norm, a window of losses for a robust z-score) learn from accepted steps
+only, so a run of spikes cannot drag the bar up. A level that persists for `max_consecutive_skips` steps is
+taken as the new normal (the references restart from it) rather than skipped forever; usually `RollbackGuard`
+acts long before that, restoring the weights and the references of its snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.grad_stats import GradStats
+from hf_stable.callbacks.guards.distributed import GuardOrderError, agree, drop_gradients, sharded_reason
+from hf_stable.callbacks.monitor_utils import collective_device, robust_zscore
+from hf_stable.callbacks.step_tap import StepTap
+
+REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise")
+_MID_BETA = 0.9  # the loss-rise reference: the lowest value of this EMA over the window (follows a fast descent)
+
+
+@dataclass
+class StepVerdict:
+    """The skip guard's decision for optimizer step `step` (1-based, the step being made)."""
+
+    step: int
+    skip: bool
+    reasons: list[str] = field(default_factory=list)
+    grad_norm: float = math.nan
+    loss: float = math.nan
+
+
+class SkipGuard(StabilityCallback):
+    """Skips bad optimizer steps on every rank together; event `step_skipped`, metrics `guard/skipped*`.
+
+    Args:
+        nonfinite: skip when any gradient or the step loss is NaN/Inf.
+        grad_spike_ratio: skip when the pre-clip global grad norm exceeds this x its EMA (None = off).
+        grad_norm_max: skip when the pre-clip global grad norm exceeds this absolute value (None = off).
+        loss_spike_zscore: skip when the loss is this many robust std above the recent median (None = off) ...
+        loss_spike_min_rel: ... and at least this fraction above the median.
+        loss_rise_rel: skip while a fast EMA of the loss (every plausible step, rising ones too) is this fraction
+            above the recent best of a smoothed loss (min over `window` accepted steps of an EMA(0.9)) — a
+            divergence under way rather than one bad batch (None = off).
+        loss_fast_beta: decay of that fast EMA.
+        ema_beta: EMA decay of the grad-norm reference.
+        window: steps of loss history.
+        warmup_steps: accepted steps before spike rules apply (non-finite always applies).
+        max_consecutive_skips: after this many consecutive spike skips the next one is accepted and the
+            references restart from it (event `skip_reference_reset`); non-finite steps are always skipped.
+        enabled: when False the callback does nothing.
+
+    Raises:
+        GuardOrderError: from `verdict_for` when a guard that needs the verdict runs before this one.
+
+    Example:
+        >>> skip = SkipGuard(grad_spike_ratio=20)
+        >>> trainer = Trainer(..., callbacks=[skip, RollbackGuard(skip, LRControl())])
+    """
+
+    def __init__(
+        self,
+        nonfinite: bool = True,
+        grad_spike_ratio: float | None = 10.0,
+        grad_norm_max: float | None = None,
+        loss_spike_zscore: float | None = 3.0,
+        loss_spike_min_rel: float = 0.25,
+        loss_rise_rel: float | None = 0.2,
+        loss_fast_beta: float = 0.7,
+        ema_beta: float = 0.95,
+        window: int = 50,
+        warmup_steps: int = 3,
+        max_consecutive_skips: int = 25,
+        enabled: bool = True,
+    ):
+        super().__init__(enabled)
+        self.nonfinite = nonfinite
+        self.grad_spike_ratio = grad_spike_ratio
+        self.grad_norm_max = grad_norm_max
+        self.loss_spike_zscore = loss_spike_zscore
+        self.loss_spike_min_rel = loss_spike_min_rel
+        self.loss_rise_rel = loss_rise_rel
+        self.loss_fast_beta = loss_fast_beta
+        self._loss_fast: float | None = None
+        self._loss_mid: float | None = None
+        self._mid_hist: deque[float] = deque(maxlen=window)
+        self.ema_beta = ema_beta
+        self.window = window
+        self.warmup_steps = warmup_steps
+        self.max_consecutive_skips = max_consecutive_skips
+        self._spike_streak = 0
+        self._norm_ema: float | None = None
+        self._accepted = 0
+        self._losses: deque[float] = deque(maxlen=window)
+        self._skipped_total = 0
+        self._skipped_steps: list[int] = []
+        self._device = None
+        self._off_reason: str | None = None
+        self._listeners: list[Callable] = []
+        self.last_verdict: StepVerdict | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> SkipGuard:
+        names = ("nonfinite", "grad_spike_ratio", "grad_norm_max", "loss_spike_zscore", "loss_spike_min_rel",
+                 "loss_rise_rel", "loss_fast_beta", "ema_beta", "window", "warmup_steps", "max_consecutive_skips",
+                 "enabled")
+        return cls(**{n: getattr(cfg, n) for n in names})
+
+    # --- state ---------------------------------------------------------------------------------------
+    def stats_state(self) -> dict:
+        """The spike references only (what a rollback restores)."""
+        return {"norm_ema": self._norm_ema, "accepted": self._accepted, "losses": list(self._losses),
+                "spike_streak": self._spike_streak, "loss_fast": self._loss_fast, "loss_mid": self._loss_mid,
+                "mid_hist": list(self._mid_hist)}
+
+    def load_stats_state(self, state: dict) -> None:
+        ema = state.get("norm_ema")
+        self._norm_ema = None if ema is None else float(ema)
+        self._accepted = int(state.get("accepted", 0))
+        self._losses = deque((float(x) for x in state.get("losses", [])), maxlen=self.window)
+        self._spike_streak = int(state.get("spike_streak", 0))
+        self._loss_fast = None if state.get("loss_fast") is None else float(state["loss_fast"])
+        self._loss_mid = None if state.get("loss_mid") is None else float(state["loss_mid"])
+        self._mid_hist = deque((float(x) for x in state.get("mid_hist", [])), maxlen=self.window)
+
+    def state_dict(self) -> dict:
+        return {**self.stats_state(), "skipped_total": self._skipped_total,
+                "skipped_steps": self._skipped_steps[-200:]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_stats_state(state)
+        self._skipped_total = int(state.get("skipped_total", 0))
+        self._skipped_steps = [int(s) for s in state.get("skipped_steps", [])]
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        return list(self._skipped_steps)
+
+    @property
+    def skipped_total(self) -> int:
+        return self._skipped_total
+
+    def add_listener(self, fn: Callable[[StepVerdict], None]) -> None:
+        """`fn(verdict)` is called on every rank right after each decision (in `on_pre_optimizer_step`)."""
+        self._listeners.append(fn)
+
+    def verdict_for(self, step: int) -> StepVerdict | None:
+        """The verdict of optimizer step `step`; None when the guard is off.
+
+        Raises:
+            GuardOrderError: the guard is on but has not judged `step` yet (it is listed after the caller).
+        """
+        if not self.enabled or self._off_reason is not None:
+            return None
+        if self.last_verdict is None or self.last_verdict.step != step:
+            raise GuardOrderError(
+                f"step {step}: SkipGuard has not judged this step yet; list SkipGuard before the guards that use "
+                "its verdict (RollbackGuard, ClipGuard, SNRGuard) in Trainer(callbacks=...), or use build_guards()"
+            )
+        return self.last_verdict
+
+    # --- decisions (pure, host numbers) -----------------------------------------------------------------
+    def local_flags(self, grad_norm: float, loss: float | None, nonfinite_grads: bool = False) -> list[float]:
+        """[nonfinite, grad_spike, loss_spike, loss_rise] as 0/1 from this rank's numbers (no state change)."""
+        bad = self.nonfinite and (nonfinite_grads or not math.isfinite(grad_norm)
+                                  or (loss is not None and not math.isfinite(loss)))
+        if bad:
+            return [1.0, 0.0, 0.0, 0.0]
+        warm = self._accepted >= self.warmup_steps
+        grad_spike = math.isfinite(grad_norm) and (
+            (self.grad_norm_max is not None and grad_norm > self.grad_norm_max)
+            or (warm and self.grad_spike_ratio is not None and self._norm_ema is not None
+                and grad_norm > self.grad_spike_ratio * self._norm_ema)
+        )
+        loss_spike = False
+        if warm and loss is not None and self.loss_spike_zscore is not None and len(self._losses) >= 3:
+            median = sorted(self._losses)[len(self._losses) // 2]
+            loss_spike = (robust_zscore(loss, list(self._losses)) > self.loss_spike_zscore
+                          and loss > median * (1 + self.loss_spike_min_rel))
+        loss_rise = False
+        if (warm and loss is not None and self.loss_rise_rel is not None and self._mid_hist
+                and not (loss_spike or grad_spike)):  # a spike is judged as a spike, not as a trend
+            loss_rise = self._fast_with(loss) > min(self._mid_hist) * (1 + self.loss_rise_rel)
+        return [0.0, float(grad_spike), float(loss_spike), float(loss_rise)]
+
+    def _fast_with(self, loss: float) -> float:
+        b = self.loss_fast_beta
+        return loss if self._loss_fast is None else b * self._loss_fast + (1 - b) * loss
+
+    @property
+    def healthy(self) -> bool:
+        """False while the smoothed loss sits well above its reference (a rise under way): no time for a snapshot."""
+        if self.loss_rise_rel is None or self._loss_fast is None or not self._mid_hist:
+            return True
+        return self._loss_fast <= min(self._mid_hist) * (1 + self.loss_rise_rel / 2)
+
+    def after_rollback(self, snapshot_stats: dict) -> None:
+        """Called by `RollbackGuard` after restoring weights, with the references saved in the snapshot.
+
+        References learned since the snapshot may include accepted steps of the very divergence being undone, so
+        they go back to the snapshot's. A snapshot taken before the guard was warm (the initial one) has none
+        worth restoring: then the loss-rise anchor (the lowest smoothed loss, which high values cannot move) is
+        kept, the trend and the grad-norm EMA restart from the next step, and the rules stay on.
+        """
+        if int(snapshot_stats.get("accepted", 0)) >= self.warmup_steps:
+            self.load_stats_state(snapshot_stats)
+            self._loss_fast = self._loss_mid
+        else:
+            self._loss_fast = None
+            self._norm_ema = None
+        self._spike_streak = 0
+
+    def learn(self, grad_norm: float, loss: float | None) -> None:
+        """Update the references with an accepted step."""
+        if math.isfinite(grad_norm):
+            b = self.ema_beta
+            self._norm_ema = grad_norm if self._norm_ema is None else b * self._norm_ema + (1 - b) * grad_norm
+        if loss is not None and math.isfinite(loss):
+            self._losses.append(loss)
+            b = _MID_BETA
+            self._loss_mid = loss if self._loss_mid is None else b * self._loss_mid + (1 - b) * loss
+            self._mid_hist.append(self._loss_mid)
+        self._accepted += 1
+
+    def decide(self, step: int, flags: list[float], grad_norm: float, loss: float | None) -> StepVerdict:
+        """Turn agreed flags into a verdict, update the references and counters, write the event."""
+        reasons = [r for r, f in zip(REASONS, flags) if f]
+        if reasons and "nonfinite" not in reasons:
+            self._spike_streak += 1
+            if self._spike_streak > self.max_consecutive_skips:
+                # A level that persists this long is the new normal (e.g. a data shift), not a spike: accept it
+                # and start the references afresh from here, instead of skipping forever.
+                self.event(step, "skip_reference_reset",
+                           f"{self._spike_streak - 1} consecutive spike skips: accepting step {step} and "
+                           f"re-learning the spike references from it", severity="warning", reasons=reasons)
+                reasons = []
+                self._norm_ema, self._losses, self._spike_streak = None, deque(maxlen=self.window), 0
+                self._loss_fast = self._loss_mid = None
+                self._mid_hist = deque(maxlen=self.window)
+        else:
+            self._spike_streak = 0
+        verdict = StepVerdict(step=step, skip=bool(reasons), reasons=reasons, grad_norm=grad_norm,
+                              loss=math.nan if loss is None else loss)
+        if loss is not None and math.isfinite(loss) and not {"nonfinite", "loss_spike", "grad_spike"} & set(reasons):
+            # the trend follows every plausible loss (a rising one too), but not isolated spikes
+            self._loss_fast = self._fast_with(loss)
+        if not verdict.skip:
+            self.learn(grad_norm, loss)
+        if verdict.skip:
+            self._skipped_total += 1
+            self._skipped_steps.append(step)
+            loss_txt = "n/a" if loss is None else f"{loss:.4g}"
+            ref = "n/a" if self._norm_ema is None else f"{self._norm_ema:.4g}"
+            self.event(step, "step_skipped",
+                       f"step {step} skipped on every rank ({', '.join(reasons)}): grad norm {grad_norm:.4g} "
+                       f"(EMA {ref}), loss {loss_txt}; optimizer state untouched",
+                       value=grad_norm, severity="warning", reasons=reasons, loss=verdict.loss)
+        self.record({"guard/skipped": float(verdict.skip), "guard/skipped_total": float(self._skipped_total)})
+        self.last_verdict = verdict
+        return verdict
+
+    # --- Trainer hooks -------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        super().on_train_begin(args, state, control, model=model, **kwargs)
+        if not self.enabled:
+            return
+        self._device = collective_device(args)
+        self._off_reason = None
+        self.last_verdict = None
+        reason = sharded_reason(args)
+        if reason is not None:
+            self._off_reason = reason
+            self.event(state.global_step, "guard_off", f"SkipGuard is off: {self._off_reason}", severity="info")
+        elif model is not None:
+            StepTap.shared(model).attach()
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.enabled and self._off_reason is None and model is not None:
+            StepTap.shared(model).begin_step()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if not self.enabled or self._off_reason is not None or model is None:
+            return
+        step = state.global_step + 1
+        report = GradStats.shared(model).compute(model, step=state.global_step)
+        den = report.extras.get("loss_den", 0.0)
+        loss = report.extras["loss_num"] / den if den else None
+        grad_norm = report.global_norm if report.available else 0.0
+        flags = self.local_flags(grad_norm, loss, nonfinite_grads=report.nonfinite_total > 0)
+        flags = agree(flags, self._device)
+        verdict = self.decide(step, flags, grad_norm if report.available else math.nan, loss)
+        if verdict.skip:
+            drop_gradients(optimizer, model)
+        for fn in self._listeners:
+            fn(verdict)

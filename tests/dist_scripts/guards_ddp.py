@@ -1,0 +1,66 @@
+"""Two-rank DDP run (gloo, CPU) with the default guards; each rank writes OUT/rank<i>.json and its final trainable
+weights to OUT/rank<i>.pt.
+
+Launched by tests/test_guards_ddp.py as `torchrun --nproc_per_node 2 guards_ddp.py OUT`. Two faults, both on
+rank 1 only:
+
+* step 3: the loss is NaN on rank 1 (forward hook); DDP's all-reduce spreads NaN to both ranks' gradients.
+* step 6: one gradient element is set to NaN on rank 1 *after* the all-reduce; rank 0's gradients are clean, so
+  only the guard's agreed decision (a max-reduced flag) keeps rank 0 from stepping while rank 1 skips.
+
+Both ranks must skip steps 3 and 6, end with bitwise identical finite weights, and never hang (the faulthandler
+below turns a hang into stack traces and an exit).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from guards_common import (  # noqa: E402
+    GradFaultOnRank,
+    LossFault,
+    Recorder,
+    all_finite,
+    tiny_lora_llama,
+    token_data,
+    training_args,
+    weights_equal,
+)
+from transformers import Trainer  # noqa: E402
+
+from hf_stable.callbacks.guards import SkipGuard, build_guards  # noqa: E402
+from hf_stable.config.guards import GuardsConfig  # noqa: E402
+
+
+def main(out: str) -> None:
+    faulthandler.dump_traceback_later(int(os.environ.get("GUARDS_DDP_TIMEOUT", "150")), exit=True)
+    model = tiny_lora_llama()
+    LossFault(model, [3], rank=1)
+    guards = build_guards(GuardsConfig())
+    rec = Recorder(model)
+    args = training_args(out, max_steps=8, per_device_train_batch_size=2)
+    trainer = Trainer(model=model, args=args, train_dataset=token_data(64),
+                      callbacks=[GradFaultOnRank(step=6, rank=1), *guards, rec])
+    trainer.train()
+    skip = next(g for g in guards if isinstance(g, SkipGuard))
+    rank = args.process_index
+    result = {
+        "world_size": args.world_size,
+        "skipped": skip.skipped_steps,
+        "unchanged_at": [s for s in range(1, 9) if weights_equal(rec.weights[s - 1], rec.weights[s])],
+        "finite": all_finite(rec.weights[8]),
+        "events": [{k: v for k, v in e.items() if k != "time"} for g in guards for e in g.events],
+    }
+    torch.save(rec.weights[8], Path(out, f"rank{rank}.pt"))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,241 @@
+"""Guard decisions without a training loop (clipping math, LR factors over real schedulers, skip rules, config),
+plus one Trainer run showing that `global` clipping is exactly the Trainer's own clipping."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Trainer, TrainerControl, TrainerState
+
+sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
+from guards_common import Recorder, tiny_lora_llama, token_data, training_args  # noqa: E402
+
+from hf_stable.callbacks.grad_stats import GradStats  # noqa: E402
+from hf_stable.callbacks.guards import (  # noqa: E402
+    ClipGuard,
+    GuardOrderError,
+    LRControl,
+    RollbackGuard,
+    SkipGuard,
+    build_guards,
+    guard_training_overrides,
+)
+from hf_stable.callbacks.guards.clipping import site_of  # noqa: E402
+from hf_stable.callbacks.guards.snr_lr import SNRGuard  # noqa: E402
+from hf_stable.config import config_from_dict  # noqa: E402
+from hf_stable.config.guards import GuardsConfig  # noqa: E402
+from hf_stable.errors import ConfigError  # noqa: E402
+
+
+# --- clipping -------------------------------------------------------------------------------------------------
+def _model_with_grads(scale_by_group: dict[str, float], seed=0):
+    model = tiny_lora_llama(lora=False)
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        from hf_stable.optim.roles import classify
+
+        p.grad = torch.randn(p.shape, generator=g) * scale_by_group.get(site_of(classify(name).group), 1.0)
+    return model
+
+
+def _hook(guard, model, step=0):
+    args = training_args("/tmp/unused")
+    state = TrainerState()
+    state.global_step = step
+    guard.on_pre_optimizer_step(args, state, TrainerControl(), model=model)
+
+
+def _group_norms(model, step):
+    GradStats.shared(model).invalidate()
+    return GradStats.shared(model).compute(model, step=step + 1000).group_norms
+
+
+def test_per_group_clipping_caps_each_group_at_its_site_threshold():
+    model = _model_with_grads({"embeddings": 5.0, "layer": 0.001, "lm_head": 5.0, "norm": 5.0})
+    before = GradStats.shared(model).compute(model, step=0).group_norms
+    guard = ClipGuard(mode="per_group")
+    _hook(guard, model)
+    after = _group_norms(model, 0)
+    limits = {"embeddings": 0.3, "layer": 0.8, "lm_head": 0.5, "norm": 0.8}
+    for group, norm in after.items():
+        limit = limits[site_of(group)]
+        assert norm == pytest.approx(min(before[group], limit), rel=1e-4), group
+    assert after["layer_0"] == pytest.approx(before["layer_0"], rel=1e-6)  # under its limit: untouched
+    assert before["embeddings"] > 1.0 and after["embeddings"] == pytest.approx(0.3, rel=1e-4)
+
+
+def test_adaptive_clipping_follows_each_groups_statistics():
+    guard = ClipGuard(mode="adaptive", max_norm=None, warmup_steps=10, z_threshold=2.5, ema_alpha=0.97)
+    rng = random.Random(0)
+    for _ in range(40):
+        coefs = guard.coefficients({"a": 1.0 + rng.gauss(0, 0.05), "b": 100.0 + rng.gauss(0, 5)}, 100.0)
+        assert coefs["b"] > 0.9  # normal wobble of a large-norm group is not clipped
+    mean_a, var_a, _ = guard.state_dict()["stats"]["a"]
+    limit = mean_a + 2.5 * math.sqrt(var_a)
+    coefs = guard.coefficients({"a": 50.0, "b": 100.0}, 111.8)
+    assert coefs["a"] == pytest.approx(limit / 50.0, rel=1e-9)  # scaled to mean + z * std
+    assert coefs["b"] == 1.0  # groups are judged separately
+    assert guard.state_dict()["stats"]["a"][0] < 1.2  # the EMA learned the clipped value, not 50
+    # the outer global cap applies on top
+    capped = ClipGuard(mode="adaptive", max_norm=1.0, warmup_steps=10)
+    coefs = capped.coefficients({"a": 3.0, "b": 4.0}, 5.0)  # warm-up: only the cap
+    assert coefs == {"a": pytest.approx(0.2, rel=1e-5), "b": pytest.approx(0.2, rel=1e-5)}
+
+
+def test_agc_bounds_each_row_relative_to_its_weight_row():
+    model = _model_with_grads({"layer": 50.0, "embeddings": 50.0, "lm_head": 50.0, "norm": 50.0})
+    guard = ClipGuard(mode="global", max_norm=1e9, agc_lambda=0.01)
+    _hook(guard, model)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            ratio = p.grad.norm(dim=1) / p.detach().norm(dim=1).clamp_min(1e-3)
+            assert float(ratio.max()) <= 0.01 * (1 + 1e-4), name
+
+
+def test_global_mode_equals_the_trainers_own_clipping(tmp_path):
+    def run(out, callbacks, max_grad_norm):
+        model = tiny_lora_llama()
+        rec = Recorder(model)
+        args = training_args(out, max_steps=4, max_grad_norm=max_grad_norm)
+        Trainer(model=model, args=args, train_dataset=token_data(16), callbacks=[*callbacks, rec]).train()
+        return rec.weights[4]
+
+    ours = run(tmp_path / "ours", [ClipGuard(mode="global", max_norm=0.05)], 0.0)
+    theirs = run(tmp_path / "theirs", [], 0.05)
+    unclipped = run(tmp_path / "none", [], 0.0)
+    for name, w in theirs.items():
+        torch.testing.assert_close(ours[name], w, rtol=1e-5, atol=1e-7)
+    assert any(not torch.allclose(unclipped[n], theirs[n], rtol=1e-4, atol=1e-6) for n in theirs)
+
+
+# --- LR factors over real schedulers ----------------------------------------------------------------------------
+def _opt():
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    return torch.optim.SGD([{"params": [params[0]], "lr": 1.0}, {"params": [params[1]], "lr": 0.1}])
+
+
+def _lr_step(control, opt):
+    args, state, ctl = training_args("/tmp/unused"), TrainerState(), TrainerControl()
+    control.on_pre_optimizer_step(args, state, ctl, optimizer=opt)
+    used = [g["lr"] for g in opt.param_groups]
+    opt.step()  # no gradients: a no-op that keeps the scheduler's step-order check quiet
+    control.on_optimizer_step(args, state, ctl, optimizer=opt)
+    return used
+
+
+def test_lr_factor_persists_on_top_of_a_lambda_schedule():
+    opt = _opt()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: (t + 1) / 4 if t < 4 else 1.0)
+    control = LRControl()
+    for t in range(6):
+        if t == 2:
+            control.multiply("rollback", 0.5)
+        used = _lr_step(control, opt)
+        f = 0.5 if t >= 2 else 1.0
+        want = min((t + 1) / 4, 1.0)
+        assert used == pytest.approx([want * f, 0.1 * want * f]), t
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([want, 0.1 * want])  # schedule's own value
+        sched.step()
+
+
+def test_lr_factor_does_not_compound_with_a_chainable_scheduler_and_applies_mid_step():
+    opt = _opt()
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)  # reads group["lr"] each step
+    control = LRControl()
+    control.set_factor("snr", 0.5)
+    for t in range(5):
+        assert _lr_step(control, opt)[0] == pytest.approx(0.5 * 0.9**t)
+        sched.step()
+    args, state, ctl = training_args("/tmp/unused"), TrainerState(), TrainerControl()
+    control.on_pre_optimizer_step(args, state, ctl, optimizer=opt)
+    control.set_factor("rollback", 0.1)  # decided later in the same hook: applied at once
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.9**5 * 0.05)
+    control.on_optimizer_step(args, state, ctl, optimizer=opt)
+    assert control.product == pytest.approx(0.05) and LRControl(min_factor=0.2).product == 1.0
+
+
+# --- skip rules and ordering -----------------------------------------------------------------------------------
+def test_skip_rules_on_constructed_traces():
+    skip = SkipGuard(grad_spike_ratio=10, loss_spike_zscore=6, warmup_steps=5, max_consecutive_skips=4)
+    assert skip.local_flags(float("nan"), 1.0) == [1, 0, 0, 0]
+    assert skip.local_flags(1.0, float("inf")) == [1, 0, 0, 0]
+    assert skip.local_flags(1e9, 1.0) == [0, 0, 0, 0]  # no spike verdict during warm-up
+    rng = random.Random(0)
+    for step in range(1, 31):
+        skip.decide(step, [0, 0, 0, 0], 1.0 + rng.gauss(0, 0.1), 3.0 - step * 0.01 + rng.gauss(0, 0.02))
+    assert skip.local_flags(1.5, 2.7) == [0, 0, 0, 0]
+    assert skip.local_flags(20.0, 2.7) == [0, 1, 0, 0]
+    assert skip.local_flags(1.0, 4.0) == [0, 0, 1, 0]  # one high loss is a spike, not yet a rise
+    state = skip.stats_state()
+    skip.decide(31, skip.local_flags(1e4, 4.0), 1e4, 4.0)  # spikes teach the references nothing
+    assert skip.stats_state()["norm_ema"] == state["norm_ema"] and skip.stats_state()["losses"] == state["losses"]
+    assert skip.stats_state()["loss_fast"] == state["loss_fast"]  # an isolated spike does not move the trend
+    # a divergence: the loss climbs 8% a step; the fast trend crosses +20% over the recent best within a few steps
+    loss, rise_at = 2.7, None
+    for step in range(32, 45):
+        loss *= 1.08
+        flags = skip.local_flags(1.0, loss)
+        skip.decide(step, flags, 1.0, loss)
+        if flags[3] and rise_at is None:
+            rise_at = step
+    assert {35, 36, 37, 38} <= set(skip.skipped_steps)  # the spike rule fires first ...
+    assert rise_at is not None and not skip.healthy  # ... the trend rule flags what the spike rule lets through
+    # a level that persists is eventually accepted as the new normal (max_consecutive_skips=4)
+    assert [e["kind"] for e in skip.events].count("skip_reference_reset") >= 1
+    assert 31 in skip.skipped_steps and skip.skipped_total < 14
+
+
+def test_a_guard_listed_before_the_skip_guard_is_an_error():
+    skip = SkipGuard()
+    with pytest.raises(GuardOrderError, match="list SkipGuard before"):
+        skip.verdict_for(1)
+
+
+def test_snr_factor_moves_and_is_clamped():
+    lr = LRControl()
+    snr = SNRGuard(lr, interval=10, current_window=1, min_factor=0.5)
+    for step in range(1, 30):
+        snr.observe(step, 1.0)
+    snr.observe(30, 2.0)  # ratio 2 > 1.3
+    assert lr.factor("snr") == pytest.approx(0.8)
+    for step in range(31, 100):
+        snr.observe(step, 3.0 if step % 10 == 0 else 1.0)
+    assert lr.factor("snr") == pytest.approx(0.5)  # clamped
+    for step in range(100, 300):
+        snr.observe(step, 0.1 if step % 10 == 0 else 1.0)
+    assert lr.factor("snr") == pytest.approx(1.5)
+
+
+# --- config and wiring --------------------------------------------------------------------------------------------
+def test_guard_config_errors_are_collected_with_their_keys():
+    bad = {"stability": {"guards": {"clipping": {"mode": "bogus", "ema_alpha": 2.0},
+                                    "rollback": {"bad_steps": 30, "lr_backoff": 0},
+                                    "thermal": {"cool_c": 80}, "skip": {"enabled": False}}}}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(bad)
+    text = "\n".join(err.value.problems)
+    for key in ("guards.clipping.mode", "guards.rollback.bad_steps", "guards.rollback.lr_backoff",
+                "guards.thermal.cool_c", "guards.rollback.enabled"):
+        assert key in text, (key, text)
+    assert config_from_dict({}).stability.guards.clipping.mode == "adaptive"
+
+
+def test_build_guards_defaults_and_training_overrides():
+    guards = build_guards(GuardsConfig())
+    assert [type(g).__name__ for g in guards] == ["SkipGuard", "RollbackGuard", "ClipGuard", "LRControl"]
+    assert isinstance(guards[1], RollbackGuard) and guards[1].skip_guard is guards[0]
+    assert guards[1].lr_control is guards[-1] and guards[2].skip_guard is guards[0]
+    cfg = GuardsConfig()
+    with pytest.warns(UserWarning, match="max_grad_norm=1.0 is ignored"):
+        assert guard_training_overrides(cfg, {"max_grad_norm": 1.0}) == {"max_grad_norm": 0.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert guard_training_overrides(cfg, {}) == {"max_grad_norm": 0.0}
+    cfg.enabled = False
+    assert build_guards(cfg) == [] and guard_training_overrides(cfg, {"max_grad_norm": 1.0}) == {}
