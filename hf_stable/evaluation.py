@@ -75,6 +75,12 @@ def exact_match(
     }
 
 
+def _zero3(trainer) -> bool:
+    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(plugin, "deepspeed_plugin", None)
+    return bool(getattr(trainer, "is_deepspeed_enabled", False) and getattr(plugin, "zero_stage", 0) == 3)
+
+
 def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
     """Eval loss over the eval set plus exact match on up to `eval_cfg.exact_match_samples` held-out prompts.
 
@@ -88,6 +94,12 @@ def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
         metrics = trainer.evaluate(metric_key_prefix=f"eval_{prefix}")
         out["eval_loss"] = metrics.get(f"eval_{prefix}_loss")
     n = min(eval_cfg.exact_match_samples, len(data.eval_records))
+    if n and _zero3(trainer):
+        # generation on the main process alone would wait forever for the other ranks' parameter shards
+        from hf_stable.logging import get_logger
+
+        get_logger(__name__).warning("exact match skipped: ZeRO-3 shards the parameters across ranks")
+        n = 0
     if n and is_main_process():
         template = getattr(data, "template", "auto")
         em = exact_match(

@@ -137,6 +137,7 @@ def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool = False):
 
 
 def count_parameters(model) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    # ZeRO-3 partitions parameters (numel() 0 locally); ds_numel is the full size
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     return trainable, total

@@ -14,12 +14,15 @@ import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from transformers import Trainer  # noqa: E402
+from transformers import Trainer, set_seed  # noqa: E402
 
 from hf_stable.callbacks import build_callbacks  # noqa: E402
 from hf_stable.callbacks.guards import guard_training_overrides, wrap_for_phases  # noqa: E402
+from hf_stable.callbacks.preemption import exit_if_preempted  # noqa: E402
+from hf_stable.checkpoints import resolve_resume, runtime_callbacks  # noqa: E402
 from hf_stable.config import load_config, training_arguments  # noqa: E402
 from hf_stable.data import build_data  # noqa: E402
+from hf_stable.distributed import prepare_launch, shutdown  # noqa: E402
 from hf_stable.doctor import preflight  # noqa: E402
 from hf_stable.evaluation import evaluate_run  # noqa: E402
 from hf_stable.logging import get_logger, is_main_process, print_main  # noqa: E402
@@ -39,14 +42,19 @@ def main(argv: list[str]) -> None:
         args = training_arguments(
             cfg, remove_unused_columns=False, **guard_training_overrides(cfg.stability.guards, cfg.training)
         )
+        prepare_launch(args)  # e.g. refuses N processes that would each train alone on CPU
     output = OutputDir(args.output_dir)
     with error_boundary(output):
         output.start(cfg.to_dict())
         logger.info("config %s -> output dir %s", cfg.source, args.output_dir)
 
+        resume = resolve_resume(cfg.runtime.resume, args)  # newest *complete* checkpoint, same on every rank
+
         # 1. base model, tokenizer, LoRA
-        base = resolve_base(cfg.model)
+        with args.main_process_first(desc="base model"):  # rank 0 builds/downloads, the others then read
+            base = resolve_base(cfg.model)
         tokenizer = load_tokenizer(cfg.model, base)
+        set_seed(args.seed)  # LoRA's random init must not depend on the process or the run
         model = load_model(cfg, base)
         model = apply_lora(model, cfg.lora, gradient_checkpointing=args.gradient_checkpointing)
         n_trainable, n_total = count_parameters(model)
@@ -75,7 +83,7 @@ def main(argv: list[str]) -> None:
         print_main(format_group_table(table))
 
         # 4. stability callbacks and the Trainer
-        callbacks = build_callbacks(cfg, args)
+        callbacks = build_callbacks(cfg, args) + runtime_callbacks(cfg.runtime)
         trainer = Trainer(
             model=model,
             args=args,
@@ -89,7 +97,8 @@ def main(argv: list[str]) -> None:
 
         # 5. evaluate, train, evaluate
         before = evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="before") if cfg.evaluation.before else {}
-        train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        train_result = trainer.train(resume_from_checkpoint=resume)
+        exit_if_preempted(trainer, output)  # SIGTERM: checkpoint saved, exit 143, run marked "preempted"
         after = evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="after")
 
         # 6. adapter, tokenizer, state, plots, model card, summary
@@ -113,6 +122,7 @@ def main(argv: list[str]) -> None:
         if is_main_process():
             finalize_outputs(output, cfg, trainer, summary, data=data, optimizer_table=table)
         output.finish(summary)
+        shutdown()  # every rank leaves together
         print_main(
             f"\ndone in {summary['wall_seconds']}s, {summary['train_steps']} steps: "
             f"eval loss {summary['eval_loss_before']} -> {summary['eval_loss_after']}, "

@@ -21,6 +21,7 @@ from hf_stable.config.evaluation import EvaluationConfig
 from hf_stable.config.loader import build_section, coerce, parse_overrides, read_yaml, set_dotted
 from hf_stable.config.model import LoraSection, ModelConfig
 from hf_stable.config.optim import OptimConfig
+from hf_stable.config.runtime import RuntimeConfig
 from hf_stable.config.stability import StabilityConfig
 from hf_stable.errors import ConfigError
 
@@ -38,6 +39,7 @@ class RunConfig:
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     doctor: bool = field(default=False, metadata={"help": "Run `hf-stable doctor` checks before training."})
     doctor_checks: DoctorConfig = field(
         default_factory=DoctorConfig,
@@ -147,6 +149,7 @@ def training_arguments(cfg: RunConfig, **forced: Any):
 
     kwargs = dict(cfg.training)
     kwargs.setdefault("output_dir", str(Path("outputs") / Path(cfg.source or "run").stem))
+    kwargs.setdefault("ddp_find_unused_parameters", False)  # LoRA uses every trainable parameter
     kwargs.update(forced)
     try:
         return TrainingArguments(**kwargs)

@@ -1,0 +1,163 @@
+"""`PreemptionCallback`: on SIGTERM (or another chosen signal) save a checkpoint at the next step boundary and stop.
+
+Schedulers stop jobs with a signal and a grace period (Kubernetes: SIGTERM, then SIGKILL 30 s later by
+default; SLURM: `--signal=USR1@120`; torchrun forwards SIGTERM to its workers). Dying mid-step loses
+everything since the last periodic checkpoint. Instead, the signal handler only sets a flag; at the end of
+the current optimizer step every rank all-reduces it, so all ranks agree to save and stop at the same step
+— a rank that stopped alone would leave the others waiting forever in the next collective.
+
+After `trainer.train()` returns, `exit_if_preempted` marks the output dir as preempted (not finished) and
+exits with `exit_code` (default 143 = 128 + SIGTERM), so the recipe does not evaluate or write a model card
+for a half-trained model and the scheduler / torchrun restarts the job, which resumes (`runtime.resume: auto`).
+
+The grace period must cover the rest of one optimizer step plus one checkpoint save. A second copy of the
+same signal gives up and lets the previous handler (normally: die) run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.distributed import all_reduce_flag, shutdown
+from hf_stable.logging import get_logger, print_main
+
+logger = get_logger(__name__)
+
+
+class PreemptionCallback(StabilityCallback):
+    """Turns a termination signal into "save a checkpoint, then stop" at the next optimizer-step boundary.
+
+    Args:
+        signals: signal names to handle, e.g. `("SIGTERM", "SIGUSR1")`.
+        exit_code: exit status `exit_if_preempted` uses after the save.
+        enabled: when False no handler is installed.
+
+    Raises:
+        ValueError: a name in `signals` is not a signal of this platform.
+
+    Example:
+        >>> cb = PreemptionCallback(signals=["SIGTERM"])
+        >>> trainer = Trainer(..., callbacks=[cb, CheckpointMarker()])
+        >>> trainer.train(resume_from_checkpoint=resolve_resume("auto", args))
+        >>> exit_if_preempted(trainer, output)        # SystemExit(143) when a signal stopped training
+    """
+
+    def __init__(self, signals=("SIGTERM",), exit_code: int = 143, enabled: bool = True):
+        super().__init__(enabled)
+        self.signals = tuple(signals)
+        self.exit_code = int(exit_code)
+        self._signums = [self._signum(name) for name in self.signals]
+        self._received: int | None = None
+        self._previous: dict[int, object] = {}
+        self._stopped_at: int | None = None
+        self._preemptions = 0
+
+    @staticmethod
+    def _signum(name: str) -> int:
+        if name not in signal.Signals.__members__:
+            raise ValueError(f"signals: {name!r} is not a signal on this platform")
+        return int(signal.Signals[name])
+
+    # --- state --------------------------------------------------------------------------
+    @property
+    def stopped(self) -> bool:
+        """True when this run's training loop was stopped by a signal (a checkpoint was saved)."""
+        return self._stopped_at is not None
+
+    @property
+    def stopped_at(self) -> int | None:
+        return self._stopped_at
+
+    def state_dict(self) -> dict:
+        return {"preemptions": self._preemptions}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._preemptions = int(state.get("preemptions", 0))
+
+    # --- signal handling ----------------------------------------------------------------
+    def _handle(self, signum, frame) -> None:
+        # Only set a flag: the handler runs between two bytecodes of the training step, anything more
+        # (a collective, a save) could run in the middle of a backward pass.
+        if self._received == signum:
+            previous = self._previous.get(signum, signal.SIG_DFL)
+            signal.signal(signum, previous)
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                os.kill(os.getpid(), signum)
+            return
+        self._received = signum
+
+    def _install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("preemption: the Trainer runs outside the main thread, so signals cannot be handled")
+            return
+        for signum in self._signums:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+    # --- Trainer hooks -------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        self._received, self._stopped_at = None, None
+        if self.enabled:
+            self._install()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # Every rank calls the all-reduce at every optimizer step, whether or not it got a signal.
+        if self.enabled and self._stopped_at is None and all_reduce_flag(self._received is not None):
+            control.should_save = True
+            control.should_training_stop = True
+            self._stopped_at = state.global_step
+            self._preemptions += 1
+            # The same message on every rank (only the main process writes it, but events are compared).
+            self.event(
+                state.global_step,
+                "preemption",
+                f"{'/'.join(self.signals)} received: saving checkpoint-{state.global_step} and stopping; "
+                "rerun the same command to resume",
+                severity="warning",
+            )
+        super().on_step_end(args, state, control, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._restore()
+        super().on_train_end(args, state, control, **kwargs)
+
+
+def find_preemption(trainer) -> PreemptionCallback | None:
+    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback)), None)
+
+
+def exit_if_preempted(trainer, output=None) -> None:
+    """After `trainer.train()`: if a signal stopped training, record it and exit with the callback's code.
+
+    Args:
+        trainer: the Trainer (its callbacks are searched for a `PreemptionCallback`).
+        output: the run's `hf_stable.outputs.OutputDir`; its RUN_INCOMPLETE.json gets status "preempted".
+
+    Raises:
+        SystemExit: with `PreemptionCallback.exit_code`, on every rank, when training was preempted.
+    """
+    callback = find_preemption(trainer)
+    if callback is None or not callback.stopped:
+        return
+    step = callback.stopped_at
+    checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
+    if output is not None:
+        from hf_stable.outputs import INCOMPLETE_FILE
+
+        output.write_json(
+            INCOMPLETE_FILE,
+            {"status": "preempted", "started": output.started, "step": step, "checkpoint": checkpoint},
+        )
+    print_main(f"\npreempted: saved {checkpoint} at step {step}; rerun the same command to resume")
+    shutdown()
+    raise SystemExit(callback.exit_code)

@@ -1,0 +1,68 @@
+"""Config section `runtime`: resuming and preemption — how a run survives being stopped.
+
+Example (YAML):
+    runtime:
+      resume: auto                 # newest *complete* checkpoint in output_dir, else start fresh
+      preemption:
+        signals: [SIGTERM, SIGUSR1]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SIGNAL_NAMES = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
+def _h(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class PreemptionConfig:
+    """On a signal: finish the current optimizer step, save a checkpoint, stop, exit with `exit_code`."""
+
+    enabled: bool = field(default=True, metadata=_h("Handle the signals below instead of dying mid-step."))
+    signals: list[str] = field(
+        default_factory=lambda: ["SIGTERM"],
+        metadata=_h(
+            "Signals that request a checkpoint-and-stop (SLURM `--signal=USR1@120` sends SIGUSR1; Kubernetes and "
+            "torchrun send SIGTERM). A second identical signal kills the process the usual way."
+        ),
+    )
+    exit_code: int = field(
+        default=143,
+        metadata=_h(
+            "Exit status after a preemption save (143 = 128 + SIGTERM). Non-zero so schedulers and torchrun "
+            "restart the job; with `resume: auto` the restart continues from the saved checkpoint."
+        ),
+    )
+
+    def validate(self) -> list[str]:
+        out = []
+        bad = [s for s in self.signals if s not in SIGNAL_NAMES]
+        if bad:
+            out.append(f"signals: got {bad}, allowed: {', '.join(SIGNAL_NAMES)}")
+        if not 0 <= self.exit_code <= 255:
+            out.append(f"exit_code: got {self.exit_code}, must be in [0, 255]")
+        return out
+
+
+@dataclass
+class RuntimeConfig:
+    """Resume and preemption settings (the checkpoints themselves follow `training.save_strategy`)."""
+
+    resume: str = field(
+        default="auto",
+        metadata=_h(
+            "'auto': continue from the newest complete checkpoint in training.output_dir (start fresh if none); "
+            "'never': start fresh (checkpoints already in the dir are marked superseded); or a checkpoint path "
+            "(absolute, relative to the working dir, or a name like 'checkpoint-200' inside output_dir)."
+        ),
+    )
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+
+    def validate(self) -> list[str]:
+        if not self.resume.strip():
+            return ["resume: got '', must be 'auto', 'never' or a checkpoint path"]
+        return []

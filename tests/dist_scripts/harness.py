@@ -1,0 +1,167 @@
+"""Shared by the distributed / resume / precision tests: seconds-long recipe runs through `recipe_probe.py`.
+
+Every run uses the same tiny embedded Llama base (built once per test session into a shared temp dir),
+a small slice of the embedded dataset, `OMP_NUM_THREADS=1` (so a baseline and a resumed run do the same
+float operations in the same order and can be compared bit for bit) and no evaluation before training.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).resolve().parent / "recipe_probe.py"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+PROBE_INPUT_IDS = [[5, 17, 42, 8, 99, 3, 250, 61, 7, 130, 12, 77]]  # the probe's fixed input for in-memory logits
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@functools.cache
+def session_dir() -> Path:
+    """A temp dir shared by every test of this session (base cache, data slices, baseline runs)."""
+    path = Path(tempfile.mkdtemp(prefix="hf_stable_dist_"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+@functools.cache
+def data_files(n_train: int) -> tuple[Path, Path]:
+    folder = session_dir() / f"data{n_train}"
+    folder.mkdir(exist_ok=True)
+    train = (ROOT / "data/embedded/train.jsonl").read_text(encoding="utf-8").splitlines()[:n_train]
+    held = (ROOT / "data/embedded/eval.jsonl").read_text(encoding="utf-8").splitlines()[:16]
+    (folder / "train.jsonl").write_text("\n".join(train) + "\n", encoding="utf-8")
+    (folder / "eval.jsonl").write_text("\n".join(held) + "\n", encoding="utf-8")
+    return folder / "train.jsonl", folder / "eval.jsonl"
+
+
+def recipe_args(out: Path, *, steps: int = 8, n_train: int = 64, save_steps: int | None = None) -> list[str]:
+    """scripts/finetune.py arguments for a tiny run writing into `out`."""
+    train, held = data_files(n_train)
+    args = [
+        "--model.name_or_path", "embedded:tiny-llama",
+        "--model.embedded.hidden_size", "64", "--model.embedded.intermediate_size", "128",
+        "--model.embedded.num_hidden_layers", "2", "--model.embedded.vocab_size", "512",
+        "--model.embedded.pretrain_steps", "20", "--model.embedded.pretrain_batch_size", "8",
+        "--model.embedded.cache_dir", str(session_dir() / "bases"),
+        "--data.train_file", str(train), "--data.eval_file", str(held),
+        "--evaluation.before", "false", "--evaluation.exact_match_samples", "0",
+        "--training.max_steps", str(steps), "--training.logging_steps", "2",
+        "--training.per_device_train_batch_size", "8", "--training.dataloader_num_workers", "0",
+        "--training.output_dir", str(out),
+    ]  # fmt: skip
+    if save_steps:
+        args += ["--training.save_strategy", "steps", "--training.save_steps", str(save_steps)]
+    return args
+
+
+class Run:
+    """The outcome of one launch: exit code, output text, and helpers to read what it wrote."""
+
+    def __init__(self, returncode: int, output: str, out: Path, probe: Path):
+        self.returncode, self.output, self.out, self.probe = returncode, output, out, probe
+
+    def tail(self, n: int = 6000) -> str:
+        return self.output[-n:]
+
+    def ranks(self) -> list[dict]:
+        files = sorted(self.probe.glob("probe_rank*.json"))
+        return [json.loads(f.read_text()) for f in files]
+
+    def exit_codes(self) -> dict[int, int]:
+        codes = {}
+        for f in self.probe.glob("exit_rank*.json"):
+            data = json.loads(f.read_text())
+            codes[data["rank"]] = data["code"]
+        return codes
+
+
+def launch(
+    args: list[str],
+    out: Path,
+    *,
+    nproc: int = 1,
+    fault: str | None = None,
+    timeout: int = 240,
+    tag: str = "probe",
+    accelerate_config: str | None = None,
+) -> Run:
+    """Run the recipe (through the probe) in 1 process, or in `nproc` gloo ranks under torchrun (or under
+    `accelerate launch --config_file accelerate_config` when given).
+
+    On timeout the whole process group is killed, so no rank outlives the test.
+    """
+    probe = out.parent / f"{out.name}_{tag}"
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "MPLBACKEND": "Agg",
+        "HF_STABLE_PROBE_DIR": str(probe),
+    }
+    env.pop("HF_STABLE_FAULT", None)
+    if fault:
+        env["HF_STABLE_FAULT"] = fault
+    if nproc == 1:
+        cmd = [sys.executable, str(PROBE), *args]
+    elif accelerate_config:
+        port = free_port()
+        cmd = [str(ACCELERATE), "launch", "--config_file", str(ROOT / accelerate_config)]
+        cmd += ["--num_processes", str(nproc), "--main_process_port", str(port), str(PROBE), *args]
+    else:
+        cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), str(PROBE), *args]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{output[-6000:]}") from None
+    return Run(proc.returncode, output, out, probe)
+
+
+def load_adapter(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def strip_timing(state: dict) -> dict:
+    """Callback states without what depends on wall-clock time or on where a process started.
+
+    ThroughputMonitor's totals are timings, and it leaves the first step after every (re)start untimed, so a
+    resumed run has measured one step fewer; everything else must match exactly.
+    """
+    out = json.loads(json.dumps(state))
+    out.get("ThroughputMonitor", {}).pop("totals", None)
+    return out
+
+
+@functools.cache
+def baseline_run() -> Run:
+    """The uninterrupted reference run (8 steps, checkpoints every 2 steps), shared by several test modules."""
+    out = session_dir() / "baseline" / "out"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run = launch(recipe_args(out, save_steps=2), out)
+    assert run.returncode == 0, run.tail()
+    return run

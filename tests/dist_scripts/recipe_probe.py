@@ -1,0 +1,193 @@
+"""Test launcher: runs scripts/finetune.py unchanged, plus a probe callback and optional fault injection.
+
+    torchrun --nproc_per_node 2 tests/dist_scripts/recipe_probe.py <finetune.py arguments>
+
+Environment:
+    HF_STABLE_PROBE_DIR   where each rank writes probe_rank<r>.json (dataset row indices of its batches, events
+                          and states of the hf_stable callbacks), lora_rank<r>.pt (its final LoRA tensors,
+                          gathered under ZeRO-3) and exit_rank<r>.json (its exit status), and rank 0 writes
+                          logits.pt (the in-memory model's logits on fixed ids).
+    HF_STABLE_FAULT       "kill_in_save:N"     SIGKILL (kill -9) while checkpoint-N is being written: after the
+                                               adapter, before optimizer / RNG / trainer_state / marker;
+                          "sigterm:N"          the process sends itself SIGTERM at the end of step N;
+                          "sigterm:N:R"        only rank R does (the other ranks must follow via the all-reduce).
+
+The recipe is run through `runpy`, so what runs is exactly scripts/finetune.py; the probe only adds an index
+column to the train dataset (stripped again by a wrapper around the data collator, to see which rows each rank
+gets) and one callback. Training is unchanged: the same rows reach the recipe's collator in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import TrainerCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import PROBE_INPUT_IDS
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE_DIR = os.environ.get("HF_STABLE_PROBE_DIR")
+FAULT = os.environ.get("HF_STABLE_FAULT", "")
+PROBE_IDS = torch.tensor(PROBE_INPUT_IDS)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+INDEX_COLUMN = "_probe_index"
+
+
+class RecordingCollator:
+    """Notes which dataset rows each rank's batches hold (by an index column it strips before collating)."""
+
+    def __init__(self, inner, probe):
+        self.inner, self.probe = inner, probe
+
+    def __call__(self, features):
+        indices = [f.pop(INDEX_COLUMN, None) for f in features]  # eval batches have no index
+        if self.probe.recording:
+            self.probe.samples.append(indices)
+        return self.inner(features)
+
+
+def _lora_tensors(model) -> dict[str, torch.Tensor]:
+    named = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    if named and hasattr(named[0][1], "ds_id"):  # ZeRO-3: every rank holds a shard; gather (a collective)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):
+            return {n: p.detach().clone() for n, p in named}
+    return {n: p.detach().clone() for n, p in named}
+
+
+class Probe(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.gradient_checkpointing = False
+        self.output_dtypes: list[str] = []
+        self._hook = None
+        self.recording = False
+        self.samples: list[list[int]] = []
+        self.steps: list[int] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.recording = True
+        self.gradient_checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+        self.output_dtypes: list[str] = []
+        head = model.get_output_embeddings()
+        self._hook = head.register_forward_hook(lambda mod, inp, out: self.output_dtypes.append(str(out.dtype)))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+        if FAULT.startswith("sigterm:"):
+            parts = FAULT.split(":")
+            if state.global_step == int(parts[1]) and (len(parts) < 3 or _rank() == int(parts[2])):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def _zero_stage(self) -> int | None:
+        plugin = getattr(self.trainer.accelerator.state, "deepspeed_plugin", None)
+        return plugin.zero_stage if plugin is not None else None
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.recording = False
+        if self._hook is not None:
+            self._hook.remove()
+        if not PROBE_DIR:
+            return
+        out = Path(PROBE_DIR)
+        out.mkdir(parents=True, exist_ok=True)
+        rank = _rank()
+        torch.save(_lora_tensors(model), out / f"lora_rank{rank}.pt")
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():  # every rank runs it: under ZeRO-3 the forward gathers shards collectively
+            logits = model(input_ids=PROBE_IDS.to(args.device)).logits.float().cpu()
+        model.train(was_training)
+        if rank == 0:
+            torch.save(logits, out / "logits.pt")
+        from hf_stable.callbacks.base import StabilityCallback
+
+        ours = [cb for cb in self.trainer.callback_handler.callbacks if isinstance(cb, StabilityCallback)]
+        record = {
+            "rank": rank,
+            "world_size": args.world_size,
+            "should_save": args.should_save,
+            "global_step": state.global_step,
+            "steps": self.steps,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "deepspeed_stage": self._zero_stage(),
+            "params_partitioned": any(hasattr(p, "ds_id") for p in model.parameters()),
+            "train_output_dtypes": sorted(set(self.output_dtypes)),
+            "samples": self.samples,
+            "dataset_size": len(self.trainer.train_dataset),
+            "callbacks": {
+                cb.state_key: {
+                    "state": cb.state_dict(),
+                    "events": [{k: v for k, v in e.items() if k != "time"} for e in cb.events],
+                }
+                for cb in ours
+            },
+            "log_history": state.log_history,
+        }
+        (out / f"probe_rank{rank}.json").write_text(json.dumps(record, default=str))
+
+
+_original_init = transformers.Trainer.__init__
+
+
+def _probed_init(self, *args, **kwargs):
+    _original_init(self, *args, **kwargs)
+    probe = Probe(self)
+    if self.train_dataset is not None:
+        self.train_dataset = self.train_dataset.add_column(INDEX_COLUMN, list(range(len(self.train_dataset))))
+    self.data_collator = RecordingCollator(self.data_collator, probe)
+    self.add_callback(probe)
+
+
+transformers.Trainer.__init__ = _probed_init
+
+if FAULT.startswith("kill_in_save:"):
+    _kill_step = int(FAULT.split(":")[1])
+    _original_save_opt = transformers.Trainer._save_optimizer_and_scheduler
+
+    def _save_opt_then_die(self, output_dir):
+        if self.state.global_step == _kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _original_save_opt(self, output_dir)
+
+    transformers.Trainer._save_optimizer_and_scheduler = _save_opt_then_die
+
+
+if any("deepspeed" in a for a in sys.argv[1:]) or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+    # DeepSpeed on CPU JIT-compiles a shared-memory all-reduce kernel (about 80 s of g++ on 2 cores the first
+    # time, then cached in ~/.cache/torch_extensions). Tests use plain gloo collectives instead.
+    import deepspeed.comm.torch
+
+    deepspeed.comm.torch.build_shm_op = lambda: None
+
+
+if __name__ == "__main__":
+    script = ROOT / "scripts" / "finetune.py"
+    sys.argv = [str(script), *sys.argv[1:]]
+    code = 0
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        if PROBE_DIR:  # each rank's own exit status (torchrun only reports a summary)
+            Path(PROBE_DIR).mkdir(parents=True, exist_ok=True)
+            (Path(PROBE_DIR) / f"exit_rank{_rank()}.json").write_text(json.dumps({"rank": _rank(), "code": code}))

@@ -1,0 +1,173 @@
+"""Fault tolerance: kill -9 mid-save, SIGTERM preemption, and which checkpoint a restart resumes from.
+
+The end-to-end tests run scripts/finetune.py (through tests/dist_scripts/recipe_probe.py, which can kill the
+process at a chosen point) and compare the resumed run's final adapter with an uninterrupted run bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from dist_scripts.harness import baseline_run, launch, load_adapter, recipe_args, strip_timing
+
+from hf_stable.checkpoints import (
+    MARKER_FILE,
+    SUPERSEDED_FILE,
+    checkpoint_problems,
+    latest_complete_checkpoint,
+    mark_complete,
+    resolve_resume,
+)
+from hf_stable.errors import ConfigError
+
+# ---- checkpoint completeness (no training) ------------------------------------------------------------
+
+
+def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    folder = root / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "adapter_model.safetensors").write_bytes(b"x" * 100)
+    (folder / "optimizer.pt").write_bytes(b"y" * 50)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    if complete:
+        mark_complete(folder, step)
+    return folder
+
+
+def test_latest_complete_checkpoint_skips_every_kind_of_incomplete(tmp_path):
+    good = _fake_checkpoint(tmp_path, 2)
+    _fake_checkpoint(tmp_path, 4, complete=False)  # killed before the marker
+    truncated = _fake_checkpoint(tmp_path, 6)
+    (truncated / "optimizer.pt").write_bytes(b"y" * 10)  # a file cut short after marking
+    missing = _fake_checkpoint(tmp_path, 8)
+    (missing / "trainer_state.json").unlink()
+    moved = _fake_checkpoint(tmp_path, 10)
+    (moved / MARKER_FILE).replace(tmp_path / "stray.json")
+    (moved / MARKER_FILE).write_text((good / MARKER_FILE).read_text())  # marker of another step
+
+    assert latest_complete_checkpoint(tmp_path) == good
+    assert checkpoint_problems(good) == []
+    assert "no hf_stable_complete.json" in checkpoint_problems(tmp_path / "checkpoint-4")[0]
+    assert "optimizer.pt has 10 bytes, 50" in " ".join(checkpoint_problems(truncated))
+    assert "trainer_state.json is listed" in " ".join(checkpoint_problems(missing))
+    assert "says step 2" in " ".join(checkpoint_problems(moved))
+    assert latest_complete_checkpoint(tmp_path / "nothing_here") is None
+
+
+def _args(out: Path, explicit: str | None = None):
+    return SimpleNamespace(output_dir=str(out), resume_from_checkpoint=explicit)
+
+
+def test_resolve_resume_auto_never_and_explicit(tmp_path):
+    assert resolve_resume("auto", _args(tmp_path)) is None  # nothing to resume: start fresh
+    _fake_checkpoint(tmp_path, 2)
+    _fake_checkpoint(tmp_path, 4)
+    _fake_checkpoint(tmp_path, 6, complete=False)
+    assert resolve_resume("auto", _args(tmp_path)) == str(tmp_path / "checkpoint-4")
+
+    # an explicit older checkpoint retires the newer ones, so a later `auto` cannot jump back to them
+    assert resolve_resume("checkpoint-2", _args(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert (tmp_path / "checkpoint-4" / SUPERSEDED_FILE).is_file()
+    assert resolve_resume("auto", _args(tmp_path)) == str(tmp_path / "checkpoint-2")
+
+    with pytest.raises(ConfigError, match=r"runtime.resume: cannot resume from .*checkpoint-6.*no hf_stable_complete"):
+        resolve_resume(str(tmp_path / "checkpoint-6"), _args(tmp_path))
+    with pytest.raises(ConfigError, match="training.resume_from_checkpoint: cannot resume from 'missing'"):
+        resolve_resume("auto", _args(tmp_path, explicit="missing"))
+    with pytest.raises(ConfigError, match="set only one"):
+        resolve_resume("checkpoint-2", _args(tmp_path, explicit=str(tmp_path / "checkpoint-4")))
+
+    assert resolve_resume("never", _args(tmp_path)) is None  # a fresh start retires every checkpoint
+    assert latest_complete_checkpoint(tmp_path) is None
+
+
+def test_preemption_callback_restores_handlers_and_state():
+    from hf_stable.callbacks.preemption import PreemptionCallback
+
+    with pytest.raises(ValueError, match="SIGNOPE"):
+        PreemptionCallback(signals=["SIGNOPE"])
+    cb = PreemptionCallback(signals=["SIGUSR1"])
+    before = signal.getsignal(signal.SIGUSR1)
+    cb._install()
+    assert signal.getsignal(signal.SIGUSR1) == cb._handle
+    signal.raise_signal(signal.SIGUSR1)  # the handler only records it; the step boundary acts on it
+    assert cb._received == signal.SIGUSR1
+    cb._restore()
+    assert signal.getsignal(signal.SIGUSR1) == before
+    fresh = PreemptionCallback()
+    fresh.load_state_dict({"preemptions": 2})
+    assert fresh.state_dict() == {"preemptions": 2}
+
+
+# ---- end to end: scripts/finetune.py killed and resumed -------------------------------------------------
+
+
+def _assert_same_adapter(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    differing = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differing, f"{len(differing)} tensors differ, e.g. {differing[:3]}"
+
+
+def _state(out: Path) -> dict:
+    return json.loads((out / "trainer_state.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_kill9_while_saving_then_resume_equals_uninterrupted_run(tmp_path):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    base = baseline_run()
+    out = tmp_path / "out"
+    args = recipe_args(out, save_steps=2)
+
+    killed = launch(args, out, fault="kill_in_save:6")
+    assert killed.returncode == -signal.SIGKILL, killed.tail()
+    half = out / "checkpoint-6"
+    assert (half / "adapter_model.safetensors").is_file() and not (half / "trainer_state.json").exists()
+    # transformers would resume from the half-written folder; hf_stable skips it
+    assert Path(get_last_checkpoint(str(out))) == half
+    assert latest_complete_checkpoint(out) == out / "checkpoint-4"
+    assert not (out / "run_summary.json").exists()
+
+    resumed = launch(args, out, tag="resume")  # the same command again: runtime.resume defaults to auto
+    assert resumed.returncode == 0, resumed.tail()
+    assert "resuming from" in resumed.output and "checkpoint-4" in resumed.output
+    _assert_same_adapter(load_adapter(out), load_adapter(base.out))
+    a, b = _state(out), _state(base.out)
+    assert [h.get("loss") for h in a["log_history"]] == [h.get("loss") for h in b["log_history"]]
+    assert a["global_step"] == b["global_step"] == 8
+    # every hf_stable callback's state after resuming equals the uninterrupted run's (wall-clock timings aside)
+    assert strip_timing(a["stateful_callbacks"]["hf_stable"]) == strip_timing(b["stateful_callbacks"]["hf_stable"])
+    assert checkpoint_problems(half) == []  # re-written and marked by the resumed run
+    assert (out / "run_summary.json").is_file() and not (out / "RUN_INCOMPLETE.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sigterm_saves_a_checkpoint_stops_and_resumes_to_the_same_adapter(tmp_path):
+    base = baseline_run()
+    out = tmp_path / "out"
+    args = recipe_args(out, save_steps=2)
+
+    stopped = launch(args, out, fault="sigterm:4")  # signal during step 4's hooks -> acted on at the end of step 5
+    assert stopped.returncode == 143, stopped.tail()
+    assert checkpoint_problems(out / "checkpoint-5") == []  # 5 is not a save step: the preemption saved it
+    status = json.loads((out / "RUN_INCOMPLETE.json").read_text())
+    assert status["status"] == "preempted" and status["step"] == 5
+    for name in ("run_summary.json", "README.md", "adapter_model.safetensors"):
+        assert not (out / name).exists(), f"a preempted run must not look finished ({name})"
+    events = [json.loads(line) for line in (out / "stability_events.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["source"]) for e in events if e["kind"] == "preemption"] == [(5, "PreemptionCallback")]
+
+    resumed = launch(args, out, tag="resume")
+    assert resumed.returncode == 0, resumed.tail()
+    _assert_same_adapter(load_adapter(out), load_adapter(base.out))
+    saved = _state(out)["stateful_callbacks"]["hf_stable"]
+    assert saved["PreemptionCallback"] == {"preemptions": 1}  # restored from checkpoint-5, not reset
+    assert (out / "run_summary.json").is_file() and not (out / "RUN_INCOMPLETE.json").exists()
