@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from hf_stable.distributed import shutdown  # noqa: E402
 import torch  # noqa: E402
 from guards_common import (  # noqa: E402
     GradFaultOnRank,
@@ -60,6 +61,7 @@ def main(out: str) -> None:
     }
     torch.save(rec.weights[8], Path(out, f"rank{rank}.pt"))
     Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    shutdown()  # leave together: a gloo rank whose peer already exited can abort at interpreter shutdown
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
+from hf_stable.distributed import shutdown  # noqa: E402
 from hf_stable.callbacks.monitors import build_monitors  # noqa: E402
 from hf_stable.config import MonitorsConfig  # noqa: E402
 
@@ -68,6 +69,7 @@ def main(out: str) -> None:
     events = [{k: v for k, v in e.items() if k != "time"} for cb in monitors for e in cb.events]
     result = {"world_size": args.world_size, "history": history, "events": events}
     Path(out, f"rank{args.process_index}.json").write_text(json.dumps(result, default=str))
+    shutdown()  # leave together: a gloo rank whose peer already exited can abort at interpreter shutdown
 
 
 if __name__ == "__main__":
