@@ -85,3 +85,14 @@ def test_committed_dataset_matches_generator():
     assert rows == train
     rows = [json.loads(line) for line in (root / "eval.jsonl").read_text(encoding="utf-8").splitlines()]
     assert rows == held
+
+
+def test_cache_key_changes_when_the_generated_corpus_changes(monkeypatch):
+    from hf_stable.embedded import builder, tasks
+
+    cfg = EmbeddedBaseConfig(**SMALL)
+    before = builder.cache_key("llama", cfg)
+    assert builder.cache_key("llama", cfg) == before
+    original = tasks.pretraining_corpus
+    monkeypatch.setattr(tasks, "pretraining_corpus", lambda seed, n_lines=6000: original(seed, n_lines)[:-1])
+    assert builder.cache_key("llama", cfg) != before  # a stale base is rebuilt, never reused

@@ -56,9 +56,22 @@ def default_cache_dir() -> Path:
     return Path(root) / "bases"
 
 
+def _training_texts(cfg: EmbeddedBaseConfig) -> tuple[list[str], list[str]]:
+    """(pretraining corpus, tokenizer corpus): both are generated from the task templates."""
+    from hf_stable.embedded.tasks import instruction_dataset, pretraining_corpus
+
+    corpus = pretraining_corpus(cfg.seed)
+    # The tokenizer also sees instruction phrasing so prompts tokenize sensibly; the model does not.
+    train_rows, _ = instruction_dataset(cfg.seed, n_train=500, n_eval=0)
+    return corpus, corpus + [r["instruction"] + " " + r["input"] for r in train_rows]
+
+
 def cache_key(arch: str, cfg: EmbeddedBaseConfig) -> str:
+    """Depends on the config, the builder version and the generated texts, so a changed generator rebuilds."""
     payload = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "cache_dir"}
-    payload.update(arch=arch, builder=BUILDER_VERSION)
+    corpus, tok_texts = _training_texts(cfg)
+    texts = hashlib.sha256("\n".join(corpus + tok_texts).encode()).hexdigest()
+    payload.update(arch=arch, builder=BUILDER_VERSION, texts=texts)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
     return f"tiny-{arch}-{digest}"
 
@@ -103,15 +116,11 @@ def build_base(arch: str, cfg: EmbeddedBaseConfig, out_dir: str | Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_stable.embedded.tasks import instruction_dataset, pretraining_corpus
     from hf_stable.embedded.tokenizer import train_tokenizer
 
     t0 = time.time()
     torch.manual_seed(cfg.seed)
-    corpus = pretraining_corpus(cfg.seed)
-    # The tokenizer also sees instruction phrasing so prompts tokenize sensibly; the model does not.
-    train_rows, _ = instruction_dataset(cfg.seed, n_train=500, n_eval=0)
-    tok_texts = corpus + [r["instruction"] + " " + r["input"] for r in train_rows]
+    corpus, tok_texts = _training_texts(cfg)
     tokenizer = train_tokenizer(tok_texts, vocab_size=cfg.vocab_size)
     model_cfg = tiny_model_config(arch, cfg, tokenizer)
     model = AutoModelForCausalLM.from_config(model_cfg, attn_implementation="sdpa")

@@ -21,6 +21,16 @@ def _fmt(value, digits: int = 4) -> str:
     return str(value)
 
 
+def _adapter_base(output_dir) -> str | None:
+    """Where the adapter's base really is (for an embedded base: its cache dir)."""
+    import json
+
+    path = Path(output_dir) / "adapter_config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("base_model_name_or_path")
+
+
 def _versions() -> str:
     import importlib.metadata as md
 
@@ -63,6 +73,7 @@ def write_model_card(
         template_path=str(TEMPLATE),
         model_name=Path(output_dir).name,
         base_model=base_model,
+        base_model_path=_adapter_base(output_dir) or base_model,
         eval_loss_before=_fmt(summary.get("eval_loss_before")),
         eval_loss_after=_fmt(summary.get("eval_loss_after")),
         exact_match_before=_fmt(summary.get("exact_match_before"), 3),
