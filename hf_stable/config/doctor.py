@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_stable.config.fields import help_ as _h
+
 # Model families whose activations are known to exceed fp16's range (max 65504) in fine-tuning or inference;
 # their checkpoints were trained in bf16 and their authors recommend bf16 (Gemma, Qwen2/2.5/3, T5).
 FP16_OVERFLOW_FAMILIES = ["gemma", "gemma2", "gemma3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "t5", "mt5"]
-
-
-def _h(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass

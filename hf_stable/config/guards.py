@@ -10,25 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-
-def _h(text: str) -> dict:
-    return {"help": text}
-
-
-def _positive(obj, names: tuple[str, ...], out: list[str], strict: bool = True) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is None:
-            continue
-        if (strict and not value > 0) or (not strict and value < 0):
-            out.append(f"{name}: got {value}, must be {'> 0' if strict else '>= 0'}")
-
-
-def _unit(obj, names: tuple[str, ...], out: list[str]) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not 0.0 < value < 1.0:
-            out.append(f"{name}: got {value}, must be in (0, 1)")
+from hf_stable.config.fields import check_positive, check_unit_interval
+from hf_stable.config.fields import help_ as _h
 
 
 @dataclass
@@ -40,7 +23,7 @@ class LRControlConfig:
 
     def validate(self) -> list[str]:
         out: list[str] = []
-        _positive(self, ("min_factor", "max_factor"), out)
+        check_positive(self, ("min_factor", "max_factor"), out)
         if not out and self.min_factor > self.max_factor:
             out.append(f"min_factor: got {self.min_factor}, must be <= max_factor ({self.max_factor})")
         return out
@@ -82,9 +65,9 @@ class SkipConfig:
 
     def validate(self) -> list[str]:
         out: list[str] = []
-        _positive(self, ("grad_spike_ratio", "grad_norm_max", "loss_spike_zscore", "loss_rise_rel"), out)
-        _positive(self, ("loss_spike_min_rel",), out, strict=False)
-        _unit(self, ("ema_beta", "loss_fast_beta"), out)
+        check_positive(self, ("grad_spike_ratio", "grad_norm_max", "loss_spike_zscore", "loss_rise_rel"), out)
+        check_positive(self, ("loss_spike_min_rel",), out, strict=False)
+        check_unit_interval(self, ("ema_beta", "loss_fast_beta"), out)
         if self.grad_spike_ratio is not None and self.grad_spike_ratio <= 1:
             out.append(f"grad_spike_ratio: got {self.grad_spike_ratio}, must be > 1 (or null)")
         if self.window < 3:
@@ -120,7 +103,7 @@ class RollbackConfig:
             out.append(f"bad_steps: got {self.bad_steps}, must be <= window ({self.window})")
         if not 0.0 < self.lr_backoff <= 1.0:
             out.append(f"lr_backoff: got {self.lr_backoff}, must be in (0, 1]")
-        _positive(self, ("max_rollbacks",), out, strict=False)
+        check_positive(self, ("max_rollbacks",), out, strict=False)
         return out
 
 
@@ -158,8 +141,8 @@ class ClippingConfig:
 
     def validate(self) -> list[str]:
         out: list[str] = []
-        _positive(self, ("max_norm", "z_threshold", "agc_lambda", "agc_eps"), out)
-        _unit(self, ("ema_alpha",), out)
+        check_positive(self, ("max_norm", "z_threshold", "agc_lambda", "agc_eps"), out)
+        check_unit_interval(self, ("ema_alpha",), out)
         if self.mode == "global" and self.max_norm is None:
             out.append("max_norm: got null, global mode needs a number")
         allowed = set(_default_group_max_norm())
@@ -194,7 +177,7 @@ class SNRConfig:
         out: list[str] = []
         if self.interval < 1 or self.current_window < 1:
             out.append(f"interval: got {self.interval} (current_window {self.current_window}), both must be >= 1")
-        _unit(self, ("ema_beta",), out)
+        check_unit_interval(self, ("ema_beta",), out)
         if not 0 < self.low_ratio < 1 < self.high_ratio:
             out.append(f"low_ratio/high_ratio: got {self.low_ratio}/{self.high_ratio}, need 0 < low < 1 < high")
         if not 0 < self.decrease < 1 < self.increase:
@@ -217,7 +200,7 @@ class PhaseConfig:
 
     def validate(self) -> list[str]:
         out: list[str] = []
-        _positive(self, ("until_step", "until_dloss_below", "lr_scale"), out)
+        check_positive(self, ("until_step", "until_dloss_below", "lr_scale"), out)
         return out
 
 
@@ -244,7 +227,7 @@ class OptimizerPhasesConfig:
 
     def validate(self) -> list[str]:
         out: list[str] = []
-        _unit(self, ("dloss_ema_beta",), out)
+        check_unit_interval(self, ("dloss_ema_beta",), out)
         if self.enabled and not self.phases:
             out.append("phases: got an empty list, need at least one phase")
         last = 0
@@ -300,7 +283,7 @@ class ThermalConfig:
         out: list[str] = []
         if not self.cool_c < self.hot_c:
             out.append(f"cool_c: got {self.cool_c}, must be < hot_c ({self.hot_c})")
-        _unit(self, ("hot_ratio",), out)
+        check_unit_interval(self, ("hot_ratio",), out)
         if self.check_every < 1:
             out.append(f"check_every: got {self.check_every}, must be >= 1")
         return out

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_stable.config.fields import help_ as _h
+
 SIGNAL_NAMES = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
-
-
-def _h(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_stable.config.fields import help_ as _h
 from hf_stable.config.guards import GuardsConfig
-
-
-def _h(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass
