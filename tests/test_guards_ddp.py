@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dist_scripts.harness import torchrun_two_ranks
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "guards_ddp.py"
 
@@ -18,18 +15,7 @@ SCRIPT = Path(__file__).parent / "dist_scripts" / "guards_ddp.py"
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_nan_on_one_rank_skips_on_both_and_weights_stay_identical(tmp_path):
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "GUARDS_DDP_TIMEOUT": "150"}
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(SCRIPT), str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=200)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"2-rank guard run timed out (a rank hung in a collective?):\n{stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    torchrun_two_ranks(SCRIPT, str(tmp_path), timeout=200, env={"GUARDS_DDP_TIMEOUT": "150"})
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert ranks[0]["world_size"] == 2
     for r in ranks:

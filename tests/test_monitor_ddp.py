@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dist_scripts.harness import torchrun_two_ranks
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "monitor_ddp.py"
 
@@ -24,20 +21,8 @@ def _same(a, b) -> bool:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_two_ranks_log_identical_metrics(tmp_path):
-    torchrun = Path(sys.executable).parent / "torchrun"
-    # The script's faulthandler ends a hung rank after MONITOR_DDP_TIMEOUT s with stack traces; the group kill
-    # below is the last resort so no rank outlives the test.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "MONITOR_DDP_TIMEOUT": "200"}
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(SCRIPT), str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=260)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"2-rank run timed out:\n{stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    # the script's faulthandler ends a hung rank after MONITOR_DDP_TIMEOUT s with stack traces
+    torchrun_two_ranks(SCRIPT, str(tmp_path), timeout=260, env={"MONITOR_DDP_TIMEOUT": "200"})
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert ranks[0]["world_size"] == 2
     h0, h1 = ranks[0]["history"], ranks[1]["history"]

@@ -165,3 +165,25 @@ def baseline_run() -> Run:
     run = launch(recipe_args(out, save_steps=2), out)
     assert run.returncode == 0, run.tail()
     return run
+
+
+def torchrun_two_ranks(script: Path, *args: str, timeout: int, env: dict | None = None) -> str:
+    """Run `script` on 2 gloo ranks with `torchrun --standalone`; return stderr, or fail the test on a hang/error.
+
+    The whole process group is killed on timeout so no rank outlives the test (a hung collective never returns).
+    """
+    import pytest
+
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(script), *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"2-rank run of {script.name} timed out (a rank hung in a collective?):\n{stderr[-4000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
+    return stderr
