@@ -118,6 +118,10 @@ def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
 
         get_logger(__name__).info(
             "%s: eval loss %s, exact match %s on %d prompts %s",
-            prefix, out.get("eval_loss"), out.get("exact_match"), n, (out.get("exact_match_detail") or {}).get("by_family"),
+            prefix,
+            out.get("eval_loss"),
+            out.get("exact_match"),
+            n,
+            (out.get("exact_match_detail") or {}).get("by_family"),
         )
     return out

@@ -14,9 +14,10 @@ import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from transformers import Trainer, set_seed  # noqa: E402
+from transformers import PrinterCallback, ProgressCallback, Trainer, set_seed  # noqa: E402
 
 from hf_stable.callbacks import build_callbacks  # noqa: E402
+from hf_stable.callbacks.console import CompactPrinter  # noqa: E402
 from hf_stable.callbacks.guards import guard_training_overrides, wrap_for_phases  # noqa: E402
 from hf_stable.callbacks.preemption import exit_if_preempted  # noqa: E402
 from hf_stable.checkpoints import resolve_resume, runtime_callbacks  # noqa: E402
@@ -94,9 +95,15 @@ def main(argv: list[str]) -> None:
             optimizers=(optimizer, None),
             callbacks=callbacks,
         )
+        if args.disable_tqdm:  # one short console line per log step; every metric still goes to the logs
+            trainer.remove_callback(PrinterCallback)
+            trainer.remove_callback(ProgressCallback)
+            trainer.add_callback(CompactPrinter())
 
         # 5. evaluate, train, evaluate
-        before = evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="before") if cfg.evaluation.before else {}
+        before = (
+            evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="before") if cfg.evaluation.before else {}
+        )
         train_result = trainer.train(resume_from_checkpoint=resume)
         exit_if_preempted(trainer, output)  # SIGTERM: checkpoint saved, exit 143, run marked "preempted"
         after = evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="after")
@@ -117,7 +124,10 @@ def main(argv: list[str]) -> None:
             "wall_seconds": round(time.time() - started, 1),
             "n_trainable_parameters": n_trainable,
             "n_parameters": n_total,
-            "exact_match_detail": {"before": before.get("exact_match_detail"), "after": after.get("exact_match_detail")},
+            "exact_match_detail": {
+                "before": before.get("exact_match_detail"),
+                "after": after.get("exact_match_detail"),
+            },
         }
         if is_main_process():
             finalize_outputs(output, cfg, trainer, summary, data=data, optimizer_table=table)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from hf_stable.embedded.tasks import instruction_dataset
 
-
 # Characters that some line readers treat as line breaks (str.splitlines does): keep them escaped so one
 # record stays on one physical line for every JSONL reader. Other non-ASCII text stays readable.
 _LINE_BREAKERS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029", "\x1c": "\\u001c"}

@@ -165,3 +165,12 @@ def test_model_path_that_does_not_exist(tmp_path):
 def test_bad_config_value_lists_every_problem(tmp_path):
     proc = run_recipe(["--lora.r", "zero", "--training.learning_rat", "1"])
     _assert_clean_failure(proc, "2 configuration problem(s)", "lora.r", "training.learning_rat")
+
+
+def test_console_shows_compact_lines_and_logs_keep_every_metric(llama_run):
+    out, proc = llama_run
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert lines and all(" | loss " in line for line in lines if "train_runtime" not in line and "eval_" not in line)
+    assert not any("grad/norm/" in line for line in proc.stdout.splitlines())  # per-group detail stays in the logs
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert any("grad/norm/layer_0.lora_B" in h for h in history)

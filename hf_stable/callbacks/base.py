@@ -87,8 +87,13 @@ class StabilityCallback(TrainerCallback):
     def event(self, step: int, kind: str, message: str, **fields: Any) -> dict:
         """Write a stability event (main process) and keep it in memory (every process)."""
         ev = write_event(
-            self._output_dir, step=step, kind=kind, message=message, source=self.state_key,
-            is_main=self._is_main, **fields,
+            self._output_dir,
+            step=step,
+            kind=kind,
+            message=message,
+            source=self.state_key,
+            is_main=self._is_main,
+            **fields,
         )
         self._events.append(ev)
         return ev

@@ -165,7 +165,10 @@ def ensure_base(arch: str, cfg: EmbeddedBaseConfig) -> Path:
         raise
     logger.info(
         "built tiny-%s in %.1fs: %d parameters, pretrain loss %.3f -> %.3f",
-        arch, info["build_seconds"], info["n_parameters"],
-        info["pretrain_loss_first"] or float("nan"), info["pretrain_loss_last"] or float("nan"),
+        arch,
+        info["build_seconds"],
+        info["n_parameters"],
+        info["pretrain_loss_first"] or float("nan"),
+        info["pretrain_loss_last"] or float("nan"),
     )
     return final

@@ -28,7 +28,13 @@ ZH_NEG = "讨厌 很差 无聊 难过 失望 糟糕 痛苦 烦人".split()
 ZH_SUBJ = "这部电影 这家餐厅 我的新手机 今天的天气 那本书 这场音乐会 这家酒店 这个游戏 这首歌 这次旅行 这个软件 这门课".split()
 
 UNITS_EN = [("km", "m", 1000), ("kg", "g", 1000), ("m", "cm", 100), ("hours", "minutes", 60), ("L", "mL", 1000)]
-UNITS_ZH = [("千米", "米", 1000), ("千克", "克", 1000), ("米", "厘米", 100), ("小时", "分钟", 60), ("升", "毫升", 1000)]
+UNITS_ZH = [
+    ("千米", "米", 1000),
+    ("千克", "克", 1000),
+    ("米", "厘米", 100),
+    ("小时", "分钟", 60),
+    ("升", "毫升", 1000),
+]
 
 Example = dict  # {"family", "lang", "instruction", "input", "output", "fact"}
 
@@ -36,16 +42,36 @@ Example = dict  # {"family", "lang", "instruction", "input", "output", "fact"}
 def _arith(rng: random.Random, lang: str) -> Example:
     a, b = rng.randint(1, 99), rng.randint(1, 99)
     if lang == "en":
-        return {"instruction": f"What is {a} + {b}?", "input": "", "output": str(a + b), "fact": f"{a} + {b} = {a + b}."}
-    return {"instruction": f"计算 {a} 加 {b} 等于多少？", "input": "", "output": str(a + b), "fact": f"{a} 加 {b} 等于 {a + b}。"}
+        return {
+            "instruction": f"What is {a} + {b}?",
+            "input": "",
+            "output": str(a + b),
+            "fact": f"{a} + {b} = {a + b}.",
+        }
+    return {
+        "instruction": f"计算 {a} 加 {b} 等于多少？",
+        "input": "",
+        "output": str(a + b),
+        "fact": f"{a} 加 {b} 等于 {a + b}。",
+    }
 
 
 def _reverse(rng: random.Random, lang: str) -> Example:
     if lang == "en":
         w = rng.choice(EN_WORDS) if rng.random() < 0.3 else rng.choice(EN_WORDS) + rng.choice(EN_WORDS)[:3]
-        return {"instruction": "Reverse the letters of the word.", "input": w, "output": w[::-1], "fact": f"{w} reversed is {w[::-1]}."}
+        return {
+            "instruction": "Reverse the letters of the word.",
+            "input": w,
+            "output": w[::-1],
+            "fact": f"{w} reversed is {w[::-1]}.",
+        }
     w = rng.choice(ZH_WORDS) + rng.choice(ZH_WORDS)
-    return {"instruction": "把下面的词语倒过来写。", "input": w, "output": w[::-1], "fact": f"{w} 倒过来是 {w[::-1]}。"}
+    return {
+        "instruction": "把下面的词语倒过来写。",
+        "input": w,
+        "output": w[::-1],
+        "fact": f"{w} 倒过来是 {w[::-1]}。",
+    }
 
 
 def _convert(rng: random.Random, lang: str) -> Example:
@@ -53,10 +79,20 @@ def _convert(rng: random.Random, lang: str) -> Example:
     if lang == "en":
         src, dst, k = rng.choice(UNITS_EN)
         out = f"{n * k} {dst}"
-        return {"instruction": f"Convert {n} {src} to {dst}.", "input": "", "output": out, "fact": f"{n} {src} is {out}."}
+        return {
+            "instruction": f"Convert {n} {src} to {dst}.",
+            "input": "",
+            "output": out,
+            "fact": f"{n} {src} is {out}.",
+        }
     src, dst, k = rng.choice(UNITS_ZH)
     out = f"{n * k} {dst}"
-    return {"instruction": f"把 {n} {src} 换算成{dst}。", "input": "", "output": out, "fact": f"{n} {src} 等于 {out}。"}
+    return {
+        "instruction": f"把 {n} {src} 换算成{dst}。",
+        "input": "",
+        "output": out,
+        "fact": f"{n} {src} 等于 {out}。",
+    }
 
 
 def _sentiment(rng: random.Random, lang: str) -> Example:
@@ -69,11 +105,21 @@ def _sentiment(rng: random.Random, lang: str) -> Example:
         else:
             text = f"{rng.choice(EN_SUBJ).capitalize()} is {adverb.replace('truly ', 'very ')}{word}"
         label = "positive" if positive else "negative"
-        return {"instruction": "Classify the sentiment as positive or negative.", "input": text, "output": label, "fact": f"\"{text}\" is {label}."}
+        return {
+            "instruction": "Classify the sentiment as positive or negative.",
+            "input": text,
+            "output": label,
+            "fact": f'"{text}" is {label}.',
+        }
     word = rng.choice(ZH_POS if positive else ZH_NEG)
     text = f"{rng.choice(ZH_SUBJ)}{rng.choice(('让人觉得', '真的', '实在', '总是'))}{word}"
     label = "正面" if positive else "负面"
-    return {"instruction": "判断这句话的情感是正面还是负面。", "input": text, "output": label, "fact": f"“{text}”是{label}的。"}
+    return {
+        "instruction": "判断这句话的情感是正面还是负面。",
+        "input": text,
+        "output": label,
+        "fact": f"“{text}”是{label}的。",
+    }
 
 
 FAMILIES: dict[str, Callable[[random.Random, str], Example]] = {

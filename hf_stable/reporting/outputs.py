@@ -20,7 +20,9 @@ def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=Non
     from hf_stable.reporting.plots import plot_loss_lr
     from hf_stable.reporting.report import render_report
 
-    plot = plot_loss_lr(trainer.state.log_history, output.path / "plots" / "loss_lr.png", title="loss and learning rate")
+    plot = plot_loss_lr(
+        trainer.state.log_history, output.path / "plots" / "loss_lr.png", title="loss and learning rate"
+    )
     data_md = ""
     if data is not None and getattr(data, "audit", None):
         from hf_stable.data.audit import audit_markdown

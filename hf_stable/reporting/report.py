@@ -70,12 +70,20 @@ def _events_markdown(events: list[dict]) -> list[str]:
         kinds.setdefault(e["kind"], []).append(int(e["step"]))
     for kind, steps in sorted(kinds.items(), key=lambda kv: min(kv[1])):
         lines.append(f"| {kind} | {len(steps)} | {min(steps)} | {max(steps)} |")
-    lines += ["", "| step | kind | severity | group | value | threshold | message |",
-              "|---:|---|---|---|---:|---:|---|"]
+    lines += [
+        "",
+        "| step | kind | severity | group | value | threshold | message |",
+        "|---:|---|---|---|---:|---:|---|",
+    ]
     shown = (alerts + notes)[:MAX_EVENT_ROWS]
     for e in sorted(shown, key=lambda e: (int(e["step"]), e.get("time", 0))):
-        lines.append("| " + " | ".join(_cell(e.get(k)) for k in ("step", "kind", "severity", "group", "value",
-                                                                  "threshold", "message")) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                _cell(e.get(k)) for k in ("step", "kind", "severity", "group", "value", "threshold", "message")
+            )
+            + " |"
+        )
     if len(events) > len(shown):
         lines.append(f"\n{len(events) - len(shown)} more event(s) in `{EVENTS_FILE}`.")
     return lines
@@ -101,8 +109,12 @@ def _glance(history: list[dict]) -> list[str]:
     norms = stability_plots.series(history, "grad/norm_global")
     if norms:
         finite = _finite(norms)
-        rows.append(("grad norm (median / max finite)",
-                     f"{sorted(finite)[len(finite) // 2]:.3g} / {max(finite):.3g}" if finite else "none finite"))
+        rows.append(
+            (
+                "grad norm (median / max finite)",
+                f"{sorted(finite)[len(finite) // 2]:.3g} / {max(finite):.3g}" if finite else "none finite",
+            )
+        )
     for key, label in (("mem/peak_gib", "peak CUDA memory (GiB)"), ("mem/rss_gib", "max process RSS (GiB)")):
         values = _finite(stability_plots.series(history, key))
         if values:

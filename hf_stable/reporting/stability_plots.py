@@ -89,8 +89,9 @@ def plot_lr(history: list[dict], path: Path) -> Path | None:
 
 def plot_grad_norms(history: list[dict], events: list[dict], path: Path, max_lines: int = 8) -> Path | None:
     """Global norm plus per-group norms: lines for a few groups, a log10 heat map for many."""
-    groups = sorted({k[len("grad/norm/"):] for row in history for k in row if k.startswith("grad/norm/")},
-                    key=_group_order)
+    groups = sorted(
+        {k[len("grad/norm/") :] for row in history for k in row if k.startswith("grad/norm/")}, key=_group_order
+    )
     total = series(history, "grad/norm_global") or series(history, "grad_norm")
     if not (groups or total):
         return None
@@ -115,16 +116,30 @@ def plot_grad_norms(history: list[dict], events: list[dict], path: Path, max_lin
     for r, g in enumerate(groups):
         for s, v in series(history, f"grad/norm/{g}"):
             grid[r, col[s]] = math.log10(v) if v > 0 and math.isfinite(v) else np.nan
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(8, 2.5 + 0.14 * len(groups)), dpi=100,
-                                   gridspec_kw={"height_ratios": [1, max(2, len(groups) // 6)]}, sharex=False)
+    fig, (ax0, ax1) = plt.subplots(
+        2,
+        1,
+        figsize=(8, 2.5 + 0.14 * len(groups)),
+        dpi=100,
+        gridspec_kw={"height_ratios": [1, max(2, len(groups) // 6)]},
+        sharex=False,
+    )
     if total:
         ax0.plot(*zip(*total), color="black", linewidth=1.2)
         ax0.set_yscale("log")
-    ax0.set(ylabel="global norm", title="gradient norms (pre-clip when max_grad_norm=0)",
-            xlim=(steps[0] - 0.5, steps[-1] + 0.5))
+    ax0.set(
+        ylabel="global norm",
+        title="gradient norms (pre-clip when max_grad_norm=0)",
+        xlim=(steps[0] - 0.5, steps[-1] + 0.5),
+    )
     ax0.grid(alpha=0.3)
-    image = ax1.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap="viridis",
-                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(groups) - 0.5, -0.5))
+    image = ax1.imshow(
+        np.ma.masked_invalid(grid),
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(groups) - 0.5, -0.5),
+    )
     ax1.set_yticks(range(len(groups)), groups, fontsize=6)
     ax1.set_xlabel("step")
     fig.colorbar(image, ax=ax1, label="log10 group norm")
@@ -139,8 +154,7 @@ def _group_order(name: str):
 
 
 def plot_memory(history: list[dict], path: Path) -> Path | None:
-    keys = [k for k in ("mem/allocated_gib", "mem/reserved_gib", "mem/peak_gib", "mem/rss_gib")
-            if series(history, k)]
+    keys = [k for k in ("mem/allocated_gib", "mem/reserved_gib", "mem/peak_gib", "mem/rss_gib") if series(history, k)]
     if not keys:
         return None
     plt = _plt()
