@@ -26,16 +26,38 @@ def tiny_overrides(tmp: Path, arch: str = "llama", steps: int = 6, n_train: int 
     held = (ROOT / "data/embedded/eval.jsonl").read_text(encoding="utf-8").split("\n")[:16]
     (data / "eval.jsonl").write_text("\n".join(held) + "\n", encoding="utf-8")
     return [
-        "--model.name_or_path", f"embedded:tiny-{arch}",
-        "--model.embedded.hidden_size", "64", "--model.embedded.intermediate_size", "128",
-        "--model.embedded.num_hidden_layers", "2", "--model.embedded.vocab_size", "512",
-        "--model.embedded.pretrain_steps", "20", "--model.embedded.pretrain_batch_size", "8",
-        "--model.embedded.cache_dir", str(tmp.parent / "bases"),
-        "--data.train_file", str(data / "train.jsonl"), "--data.eval_file", str(data / "eval.jsonl"),
-        "--evaluation.exact_match_samples", "8", "--evaluation.max_new_tokens", "8",
-        "--training.max_steps", str(steps), "--training.logging_steps", "2",
-        "--training.per_device_train_batch_size", "8",
-        "--training.output_dir", str(tmp / "out"),
+        "--model.name_or_path",
+        f"embedded:tiny-{arch}",
+        "--model.embedded.hidden_size",
+        "64",
+        "--model.embedded.intermediate_size",
+        "128",
+        "--model.embedded.num_hidden_layers",
+        "2",
+        "--model.embedded.vocab_size",
+        "512",
+        "--model.embedded.pretrain_steps",
+        "20",
+        "--model.embedded.pretrain_batch_size",
+        "8",
+        "--model.embedded.cache_dir",
+        str(tmp.parent / "bases"),
+        "--data.train_file",
+        str(data / "train.jsonl"),
+        "--data.eval_file",
+        str(data / "eval.jsonl"),
+        "--evaluation.exact_match_samples",
+        "8",
+        "--evaluation.max_new_tokens",
+        "8",
+        "--training.max_steps",
+        str(steps),
+        "--training.logging_steps",
+        "2",
+        "--training.per_device_train_batch_size",
+        "8",
+        "--training.output_dir",
+        str(tmp / "out"),
     ]
 
 
@@ -57,8 +79,14 @@ def llama_run(tmp_path_factory):
 def test_outputs_are_complete(llama_run):
     out, proc = llama_run
     for name in (
-        "adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "trainer_state.json",
-        "resolved_config.yaml", "run_summary.json", "README.md", "optimizer_groups.json",
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "trainer_state.json",
+        "resolved_config.yaml",
+        "run_summary.json",
+        "README.md",
+        "optimizer_groups.json",
     ):
         assert (out / name).is_file(), f"missing {name}"
     assert not (out / "RUN_INCOMPLETE.json").exists()
@@ -124,22 +152,28 @@ def test_recipe_runs_on_qwen_bases(tmp_path, arch):
 # ---- bad input: one clear message, exit code != 0, no traceback, nothing that looks finished ----------
 
 
-def _assert_clean_failure(proc, *needles):
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    for needle in needles:
-        assert needle in proc.stderr, f"{needle!r} not in:\n{proc.stderr[-3000:]}"
+def proc_tail(proc) -> str:
+    return proc.stderr[-3000:]
+
+
+def failure_problems(proc, *needles) -> list[str]:
+    """What is wrong with a failed run's exit: zero exit code, a traceback, or a missing piece of the message."""
+    problems = [] if proc.returncode != 0 else ["exit code 0"]
+    if "Traceback" in proc.stderr:
+        problems.append("traceback on stderr")
+    problems += [f"{needle!r} not in the message" for needle in needles if needle not in proc.stderr]
+    return problems
 
 
 def test_missing_config_file(tmp_path):
     proc = run_recipe(["--config", str(tmp_path / "nope.yaml")])
-    _assert_clean_failure(proc, "config file not found", "nope.yaml")
+    assert failure_problems(proc, "config file not found", "nope.yaml") == [], proc_tail(proc)
 
 
 def test_missing_data_file(tmp_path):
     args = tiny_overrides(tmp_path) + ["--data.train_file", str(tmp_path / "missing.jsonl")]
     proc = run_recipe(args)
-    _assert_clean_failure(proc, "missing.jsonl", "data.train_file")
+    assert failure_problems(proc, "missing.jsonl", "data.train_file") == [], proc_tail(proc)
     out = tmp_path / "out"
     assert not (out / "run_summary.json").exists() and not (out / "README.md").exists()
     assert json.loads((out / "RUN_INCOMPLETE.json").read_text())["status"] == "failed"
@@ -151,20 +185,25 @@ def test_malformed_jsonl_line_and_missing_field(tmp_path):
     lines = (tmp_path / "data" / "train.jsonl").read_text(encoding="utf-8").split("\n")[:5]
     lines[2] = '{"instruction": "broken", "input": ""'  # line 3: malformed JSON
     bad.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    _assert_clean_failure(run_recipe(args + ["--data.train_file", str(bad)]), f"{bad}:3")
+    proc = run_recipe(args + ["--data.train_file", str(bad)])
+    assert failure_problems(proc, f"{bad}:3") == [], proc_tail(proc)
     lines[2] = '{"instruction": "no output here", "input": ""}'  # line 3: missing field
     bad.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    _assert_clean_failure(run_recipe(args + ["--data.train_file", str(bad)]), f"{bad}:3", "output")
+    proc = run_recipe(args + ["--data.train_file", str(bad)])
+    assert failure_problems(proc, f"{bad}:3", "output") == [], proc_tail(proc)
 
 
 def test_model_path_that_does_not_exist(tmp_path):
     args = tiny_overrides(tmp_path) + ["--model.name_or_path", str(tmp_path / "no_model")]
-    _assert_clean_failure(run_recipe(args), "model.name_or_path", "no_model", "does not exist")
+    proc = run_recipe(args)
+    assert failure_problems(proc, "model.name_or_path", "no_model", "does not exist") == [], proc_tail(proc)
 
 
 def test_bad_config_value_lists_every_problem(tmp_path):
     proc = run_recipe(["--lora.r", "zero", "--training.learning_rat", "1"])
-    _assert_clean_failure(proc, "2 configuration problem(s)", "lora.r", "training.learning_rat")
+    assert failure_problems(proc, "2 configuration problem(s)", "lora.r", "training.learning_rat") == [], proc_tail(
+        proc
+    )
 
 
 def test_console_shows_compact_lines_and_logs_keep_every_metric(llama_run):
