@@ -40,6 +40,21 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def sharded_training(args) -> str | None:
+    """Why gradients/parameters are sharded across ranks here (DeepSpeed ZeRO or FSDP), or None.
+
+    Then `p.grad` is None (ZeRO keeps gradients in its own buffers) or a per-rank shard (FSDP), and per-tensor
+    statistics or skip decisions read from it would be wrong or differ per rank: monitors and guards say they are off.
+    Set by TrainingArguments (`deepspeed=`, `fsdp=`) or by `accelerate launch` (environment).
+    """
+    env = os.environ
+    if getattr(args, "deepspeed", None) or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
+        return "DeepSpeed keeps gradients in its own (partitioned) buffers; p.grad is None"
+    if getattr(args, "fsdp", None) or env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        return "FSDP shards gradients and parameters across ranks; per-tensor statistics would be per shard"
+    return None
+
+
 def _collective_device():
     """NCCL only reduces CUDA tensors; gloo (and ccl) take CPU tensors."""
     import torch

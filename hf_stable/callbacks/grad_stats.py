@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_stable.distributed import world_size
 from hf_stable.optim.roles import group_parameters
 
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -104,12 +105,6 @@ class GradReport:
         out["grad/nonfinite_total"] = float(self.nonfinite_total)
         out.update({f"grad/nonfinite/{g}": float(n) for g, n in self.nonfinite.items() if n})
         return out
-
-
-def _dist_world() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1
 
 
 class GradStats:
@@ -282,7 +277,7 @@ class GradStats:
         if not vals:
             return keys, None
         packed = torch.stack(vals)
-        if _dist_world() > 1:
+        if world_size() > 1:
             torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM)
         return keys, packed
 

@@ -19,10 +19,10 @@ from collections import deque
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.monitor_utils import AlertGate, robust_zscore
-from hf_stable.callbacks.step_tap import StepTap
+from hf_stable.callbacks.step_tap import StepTapUser
 
 
-class LossMonitor(StabilityCallback):
+class LossMonitor(StepTapUser, StabilityCallback):
     """Logs `loss/train` (per step, unfiltered), `loss/zscore`, `loss/curvature`; events `loss_spike`,
     `loss_curvature`, `loss_plateau` (and stops training on a plateau when `plateau_early_stop`).
 
@@ -172,12 +172,7 @@ class LossMonitor(StabilityCallback):
     # --- Trainer hooks ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
-        if self.enabled and model is not None:
-            StepTap.shared(model).attach()
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if self.enabled and model is not None:
-            StepTap.shared(model).begin_step()
+        self._use_step_tap(model if self.enabled else None)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if not self.enabled or model is None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from hf_stable.distributed import sharded_training, world_size  # noqa: F401 - re-exported for the monitors
 
 
 class AlertGate:
@@ -37,12 +37,6 @@ class AlertGate:
         self._suppressed = {k: int(v) for k, v in (state or {}).get("suppressed", {}).items()}
 
 
-def world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1
-
-
 def reduce_host(values: list[float], op: str, device: torch.device | str = "cpu") -> list[float]:
     """Reduce a few host numbers over ranks (op "sum" or "max") in one collective; unchanged on one process.
 
@@ -63,21 +57,6 @@ def collective_device(args) -> torch.device:
         return torch.device(args.device)
     except Exception:  # noqa: BLE001 - args without a device (tests): CPU works for gloo
         return torch.device("cpu")
-
-
-def sharded_training(args) -> str | None:
-    """Why gradients/parameters are sharded across ranks here (DeepSpeed ZeRO or FSDP), or None.
-
-    Then `p.grad` is None (ZeRO keeps gradients in its own buffers) or a per-rank shard (FSDP), and per-tensor
-    statistics read from it would be wrong or different on every rank: the gradient monitors say they are off.
-    Set by TrainingArguments (`deepspeed=`, `fsdp=`) or by `accelerate launch` (environment).
-    """
-    env = os.environ
-    if getattr(args, "deepspeed", None) or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
-        return "DeepSpeed keeps gradients in its own (partitioned) buffers; p.grad is None"
-    if getattr(args, "fsdp", None) or env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
-        return "FSDP shards gradients and parameters across ranks; per-tensor statistics would be per shard"
-    return None
 
 
 def logs_at(args, step: int) -> bool:

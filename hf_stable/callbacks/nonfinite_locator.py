@@ -26,7 +26,7 @@ import torch
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training, world_size
-from hf_stable.callbacks.step_tap import StepTap, _loss_of
+from hf_stable.callbacks.step_tap import StepTap, StepTapUser, _loss_of
 from hf_stable.logging import get_logger
 from hf_stable.optim.roles import classify
 
@@ -34,7 +34,7 @@ logger = get_logger(__name__)
 _OP_RE = re.compile(r"Function '(\w+)' returned nan")
 
 
-class NonFiniteLocator(StabilityCallback):
+class NonFiniteLocator(StepTapUser, StabilityCallback):
     """Names the parameters whose gradients are NaN/Inf (event `nonfinite_grad`) and flags a non-finite step
     loss (event `nonfinite_loss`).
 
@@ -85,12 +85,7 @@ class NonFiniteLocator(StabilityCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
         self._off = sharded_training(args) is not None
-        if self.enabled and model is not None:
-            StepTap.shared(model).attach()
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if self.enabled and model is not None:
-            StepTap.shared(model).begin_step()
+        self._use_step_tap(model if self.enabled else None)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if not self.enabled or model is None:

@@ -151,3 +151,23 @@ class StepTap:
             zero = torch.zeros((), dtype=torch.float32, device=device)
             return {"loss_num": zero, "loss_den": zero}
         return {"loss_num": self._num, "loss_den": self._den.to(self._num.device)}
+
+
+class StepTapUser:
+    """Mixin for callbacks that read the step's inputs/loss through the shared `StepTap`.
+
+    Call `self._use_step_tap(model)` from `on_train_begin` (None: do not use it this run); the tap is then reset
+    at every `on_step_begin` while the callback is enabled. Several users share one tap, so attaching and
+    resetting are idempotent.
+    """
+
+    _tap: StepTap | None = None
+
+    def _use_step_tap(self, model) -> StepTap | None:
+        self._tap = StepTap.shared(model).attach() if model is not None else None
+        return self._tap
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        super().on_step_begin(args, state, control, **kwargs)
+        if self.enabled and self._tap is not None:
+            self._tap.begin_step()

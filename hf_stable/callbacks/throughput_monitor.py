@@ -17,10 +17,10 @@ import time
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.monitor_utils import AlertGate, collective_device, reduce_host, world_size
-from hf_stable.callbacks.step_tap import StepTap
+from hf_stable.callbacks.step_tap import StepTap, StepTapUser
 
 
-class ThroughputMonitor(StabilityCallback):
+class ThroughputMonitor(StepTapUser, StabilityCallback):
     """Logs `perf/tokens_per_s`, `perf/data_wait_ratio`, `perf/step_time_s`, `perf/data_wait_s`; event
     `data_stall` (warning when mild, error when severe).
 
@@ -101,17 +101,15 @@ class ThroughputMonitor(StabilityCallback):
         self._device = collective_device(args)
         self._seen, self._ready, self._begin = 0, None, None
         self._interval = dict.fromkeys(self._totals, 0.0)
-        if self.enabled and model is not None:
-            self._tap = StepTap.shared(model).attach()
+        self._use_step_tap(model if self.enabled else None)
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
+        super().on_step_begin(args, state, control, model=model, **kwargs)  # resets the shared StepTap
         if not self.enabled:
             return
         now = time.perf_counter()
         self._wait = now - self._ready if self._ready is not None else 0.0
         self._begin = now
-        if self._tap is not None:
-            self._tap.begin_step()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.enabled and self._begin is not None:

@@ -36,8 +36,8 @@ from __future__ import annotations
 import math
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.guards.distributed import sharded_reason
 from hf_stable.callbacks.guards.lr_control import LRControl
+from hf_stable.distributed import sharded_training
 from hf_stable.errors import ConfigError
 
 
@@ -148,7 +148,7 @@ class AccumulationControl(StabilityCallback):
         if not self.enabled:
             return
         self._args = args
-        self._off = (sharded_reason(args) or "").startswith("DeepSpeed")
+        self._off = (sharded_training(args) or "").startswith("DeepSpeed")
         if self._off:
             self.event(state.global_step, "guard_off", "accumulation control is off under DeepSpeed (its engine owns "
                        "gradient accumulation)", severity="info")

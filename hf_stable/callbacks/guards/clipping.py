@@ -29,8 +29,8 @@ import math
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.guards.distributed import sharded_reason
 from hf_stable.callbacks.grad_stats import GradReport, GradStats
+from hf_stable.distributed import sharded_training
 
 MODES = ("global", "per_group", "adaptive")
 DEFAULT_GROUP_MAX_NORM = {"embeddings": 0.3, "layer": 0.8, "norm": 0.8, "lm_head": 0.5, "other": 1.0}
@@ -176,7 +176,7 @@ class ClipGuard(StabilityCallback):
         super().on_train_begin(args, state, control, **kwargs)
         if not self.enabled:
             return
-        reason = sharded_reason(args)
+        reason = sharded_training(args)
         self._off = reason is not None
         if self._off:
             self.event(state.global_step, "guard_off", f"ClipGuard is off: {reason}; use the engine's own clipping "

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from hf_stable.callbacks.monitor_utils import reduce_host, world_size
 from hf_stable.errors import HfStableError
 
@@ -19,20 +17,6 @@ def agree(flags: list[float], device) -> list[float]:
     returns the flags unchanged.
     """
     return reduce_host([float(f) for f in flags], "max", device)
-
-
-def sharded_reason(args) -> str | None:
-    """Why the guards cannot act on `p.grad` / the optimizer here (DeepSpeed ZeRO, FSDP), or None.
-
-    DeepSpeed keeps gradients in its own buffers and steps its own optimizer; FSDP shards gradients, so a
-    per-tensor decision would differ per rank. The guards then say once that they are off.
-    """
-    env = os.environ
-    if getattr(args, "deepspeed", None) or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
-        return "DeepSpeed keeps gradients in its own buffers and steps its own optimizer"
-    if getattr(args, "fsdp", None) or env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
-        return "FSDP shards gradients and parameters across ranks"
-    return None
 
 
 def rank_of(args) -> int:
@@ -61,4 +45,4 @@ def drop_gradients(optimizer, model=None) -> int:
     return n
 
 
-__all__ = ["GuardOrderError", "agree", "drop_gradients", "rank_of", "sharded_reason", "world_size"]
+__all__ = ["GuardOrderError", "agree", "drop_gradients", "rank_of", "world_size"]

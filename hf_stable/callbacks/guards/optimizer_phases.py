@@ -33,7 +33,7 @@ import torch
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.guards.lr_control import LRControl, unwrap_optimizer
-from hf_stable.callbacks.step_tap import StepTap
+from hf_stable.callbacks.step_tap import StepTapUser
 from hf_stable.errors import ConfigError
 
 
@@ -143,7 +143,7 @@ class PhasedOptimizer(torch.optim.Optimizer):
         self._sync()
 
 
-class OptimizerPhaseGuard(StabilityCallback):
+class OptimizerPhaseGuard(StepTapUser, StabilityCallback):
     """Switches a `PhasedOptimizer` at the configured steps or when the loss flattens; event `optimizer_switch`.
 
     Args:
@@ -220,12 +220,7 @@ class OptimizerPhaseGuard(StabilityCallback):
             )
         self._optimizer = opt
         self.lr_control.set_factor("phase", self.phases[opt.phase].lr_scale)
-        if model is not None:
-            StepTap.shared(model).attach()
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if self.enabled and model is not None:
-            StepTap.shared(model).begin_step()
+        self._use_step_tap(model)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self.enabled and model is not None:

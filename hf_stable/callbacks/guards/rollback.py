@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.guards.distributed import drop_gradients, rank_of, sharded_reason
+from hf_stable.callbacks.guards.distributed import drop_gradients, rank_of
 from hf_stable.callbacks.guards.lr_control import LRControl, unwrap_optimizer
 from hf_stable.callbacks.guards.skip_step import SkipGuard
+from hf_stable.distributed import sharded_training
 
 
 def _to_cpu(value) -> tuple:
@@ -181,7 +182,7 @@ class RollbackGuard(StabilityCallback):
     # --- Trainer hooks ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         super().on_train_begin(args, state, control, optimizer=optimizer, **kwargs)
-        self._off = sharded_reason(args) is not None or optimizer is None
+        self._off = sharded_training(args) is not None or optimizer is None
         if not self.enabled or self._off:
             return
         self._path = Path(args.output_dir) / "hf_stable_rollback" / f"rank{rank_of(args)}.pt"

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
-from hf_stable.callbacks.guards.distributed import GuardOrderError, agree, drop_gradients, sharded_reason
+from hf_stable.callbacks.guards.distributed import GuardOrderError, agree, drop_gradients
 from hf_stable.callbacks.monitor_utils import collective_device, robust_zscore
-from hf_stable.callbacks.step_tap import StepTap
+from hf_stable.callbacks.step_tap import StepTapUser
+from hf_stable.distributed import sharded_training
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise")
 _MID_BETA = 0.9  # the loss-rise reference: the lowest value of this EMA over the window (follows a fast descent)
@@ -54,7 +55,7 @@ class StepVerdict:
     loss: float = math.nan
 
 
-class SkipGuard(StabilityCallback):
+class SkipGuard(StepTapUser, StabilityCallback):
     """Skips bad optimizer steps on every rank together; event `step_skipped`, metrics `guard/skipped*`.
 
     Args:
@@ -291,16 +292,11 @@ class SkipGuard(StabilityCallback):
         self._device = collective_device(args)
         self._off_reason = None
         self.last_verdict = None
-        reason = sharded_reason(args)
+        reason = sharded_training(args)
         if reason is not None:
             self._off_reason = reason
             self.event(state.global_step, "guard_off", f"SkipGuard is off: {self._off_reason}", severity="info")
-        elif model is not None:
-            StepTap.shared(model).attach()
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if self.enabled and self._off_reason is None and model is not None:
-            StepTap.shared(model).begin_step()
+        self._use_step_tap(model if self._off_reason is None else None)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if not self.enabled or self._off_reason is not None or model is None:
