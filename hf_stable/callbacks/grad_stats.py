@@ -154,6 +154,12 @@ class GradStats:
         """Forget the cached result (the next call computes again)."""
         self._dev_key = self._dev = self._host_key = self._host = None
 
+    @property
+    def group_names(self) -> list[str]:
+        """The group names, in the order of `group_norms`."""
+        self._ensure_entries()
+        return list(self._group_names)
+
     def add_source(self, name: str, fn: Callable[[], dict[str, torch.Tensor]]) -> None:
         """Attach on-device scalars to every transfer: `fn()` returns `{key: 0-d tensor}` (may be empty).
 

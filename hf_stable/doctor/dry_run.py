@@ -180,7 +180,7 @@ def _run(model, data, cfg, s, doctor, findings) -> tuple[dict, list[Finding]]:
     groups = group_parameters(model, trainable_only=True)
     gnames = list(groups)
     entries = [(n, p, gi) for gi, g in enumerate(gnames) for n, p in groups[g]]
-    grads = GradientReader(entries, len(gnames), device)
+    grads = GradientReader(model, [n for n, _, _ in entries], device)
     max_norm = _clip_norm(cfg, s)
     rows, t_data, t_compute, tokens = [], [], [], []
 

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.config.doctor import DoctorConfig
 from hf_stable.doctor.findings import Finding
 
@@ -44,26 +45,33 @@ def check_trainable(model, lora_enabled: bool) -> list[Finding]:
 
 
 class GradientReader:
-    """Per-group gradient norms of the current `.grad`s: `torch._foreach_norm`, one host transfer per read."""
+    """Per-group gradient norms of the current `.grad`s via `GradStats` (one host transfer per read), plus which
+    parameters ever had a finite non-zero gradient and which a non-finite one.
 
-    def __init__(self, entries, n_groups: int, device):
-        self.entries, self.n_groups, self.device = entries, n_groups, device
-        self.index = torch.tensor([gi for _, _, gi in entries], dtype=torch.long, device=device)
-        self.ever_ok = torch.zeros(len(entries), dtype=torch.bool, device=device)
-        self.ever_bad = torch.zeros(len(entries), dtype=torch.bool, device=device)
+    Args:
+        model: the model whose trainable parameters are read (grouped by `group_parameters`, as the monitors do).
+        names: the trainable parameter names, in the order `verdicts()` reports them.
+        device: where the per-parameter verdict flags live.
+    """
+
+    def __init__(self, model, names: list[str], device):
+        self.stats = GradStats(model)  # a private instance: the doctor never touches a Trainer's per-step cache
+        self.position = {n: i for i, n in enumerate(names)}
+        self.ever_ok = torch.zeros(len(names), dtype=torch.bool, device=device)
+        self.ever_bad = torch.zeros(len(names), dtype=torch.bool, device=device)
 
     def read(self, loss: torch.Tensor, track: bool = True, scale: float = 1.0) -> dict:
-        zero = torch.zeros((), device=self.device)
-        grads = [p.grad if p.grad is not None else zero for _, p, _ in self.entries]
-        norms = torch.stack(torch._foreach_norm(grads)).float() / scale
-        has = torch.tensor([p.grad is not None for _, p, _ in self.entries], device=self.device)
+        dev = self.stats.device_stats()  # no step label: computed fresh on every read
+        if dev is None:  # no parameter has a gradient
+            return {"loss": float(loss), "norms": [0.0] * len(self.stats.group_names), "nonfinite": 0}
+        norms = dev.param_norms / scale
         finite = torch.isfinite(norms)
         if track:
-            self.ever_ok |= has & finite & (norms > 0)
-            self.ever_bad |= has & ~finite
-        n_bad = (has & ~finite).sum().float()
-        gsq = torch.zeros(self.n_groups, device=self.device).index_add_(0, self.index, norms.square())
-        host = torch.cat([gsq.sqrt(), loss.view(1).float(), n_bad.view(1)]).tolist()  # the one host transfer
+            idx = torch.tensor([self.position[n] for n in dev.names], device=self.ever_ok.device)
+            self.ever_ok[idx] = self.ever_ok[idx] | (finite & (norms > 0)).to(self.ever_ok.device)
+            self.ever_bad[idx] = self.ever_bad[idx] | (~finite).to(self.ever_ok.device)
+        n_bad = (~finite).sum().float()
+        host = torch.cat([dev.group_norms / scale, loss.view(1).float().to(norms.device), n_bad.view(1)]).tolist()
         return {"loss": host[-2], "norms": host[:-2], "nonfinite": int(host[-1])}
 
     def verdicts(self) -> tuple[list[bool], list[bool]]:
