@@ -122,6 +122,27 @@ def test_k_bad_steps_roll_back_bitwise_and_halve_the_lr(tmp_path, storage):
     assert (Path(tmp_path) / "hf_stable_rollback" / "rank0.pt").is_file() == (storage == "disk")
 
 
+@pytest.mark.parametrize("escalate", [True, False])
+def test_repeated_rollbacks_to_one_snapshot_escalate_the_backoff(tmp_path, escalate):
+    def guards_for(model):
+        skip, lr = SkipGuard(), LRControl()
+        return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4, escalate=escalate),
+                ClipGuard(skip_guard=skip), lr]
+
+    # snapshots after 3 and 6; NaN 8-9 -> rollback to 6; NaN 10-11 -> again to 6 (nothing kept in between);
+    # good 12-14 -> new snapshot at 14; NaN 15-16 -> rollback to 14, which starts the backoff afresh
+    trainer, rec, guards = _run(tmp_path, guards_for, faults=[8, 9, 10, 11, 15, 16], max_steps=17)
+    events = [e for e in read_events(tmp_path) if e["kind"] == "rollback"]
+    assert [(e["step"], e["value"]) for e in events] == [(9, 6), (11, 6), (16, 14)]
+    expected = [0.5, 0.25, 0.5] if escalate else [0.5, 0.5, 0.5]
+    assert [e["backoff"] for e in events] == pytest.approx(expected)
+    factor = expected[0] * expected[1] * expected[2]
+    assert _guard(guards, LRControl).factors == {"rollback": pytest.approx(factor)}
+    assert rec.effective_lrs[17][0] == pytest.approx(1e-3 * factor)
+    assert weights_equal(rec.weights[11], rec.weights[6]) and weights_equal(rec.weights[16], rec.weights[14])
+    assert all_finite(rec.weights[17])
+
+
 def test_resume_restores_every_guard_state(tmp_path):
     cfg = GuardsConfig()
     cfg.rollback.bad_steps, cfg.rollback.window, cfg.rollback.snapshot_every = 2, 3, 2

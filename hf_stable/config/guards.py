@@ -88,6 +88,11 @@ class RollbackConfig:
     bad_steps: int = field(default=3, metadata=_h("Roll back after this many skipped (bad) steps ..."))
     window: int = field(default=20, metadata=_h("... within this many optimizer steps."))
     lr_backoff: float = field(default=0.5, metadata=_h("Multiply the LR factor by this at each rollback."))
+    escalate: bool = field(
+        default=True,
+        metadata=_h("The k-th rollback in a row to the same snapshot multiplies by lr_backoff**k (0.5, 0.25, "
+                    "0.125): a repeat shows the LR overshoots by more than one backoff."),
+    )
     storage: Literal["memory", "disk"] = field(
         default="memory",
         metadata=_h("Where snapshots live: CPU memory (LoRA: small) or <output_dir>/hf_stable_rollback (large)."),
