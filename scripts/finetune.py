@@ -14,7 +14,7 @@ import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from transformers import PrinterCallback, ProgressCallback, Trainer, set_seed  # noqa: E402
+from transformers import PrinterCallback, ProgressCallback, set_seed  # noqa: E402
 
 from hf_stable.callbacks import build_callbacks  # noqa: E402
 from hf_stable.callbacks.console import CompactPrinter  # noqa: E402
@@ -31,6 +31,7 @@ from hf_stable.modeling import apply_lora, count_parameters, load_model, load_to
 from hf_stable.optim import build_optimizer, format_group_table, group_table  # noqa: E402
 from hf_stable.outputs import OutputDir, error_boundary  # noqa: E402
 from hf_stable.reporting import finalize_outputs  # noqa: E402
+from hf_stable.trainer import StableTrainer  # noqa: E402
 
 logger = get_logger("finetune")
 
@@ -83,9 +84,9 @@ def main(argv: list[str]) -> None:
         output.write_json("optimizer_groups.json", table)
         print_main(format_group_table(table))
 
-        # 4. stability callbacks and the Trainer
+        # 4. stability callbacks and the Trainer (its grad norm comes from the monitors' one pass over the gradients)
         callbacks = build_callbacks(cfg, args) + runtime_callbacks(cfg.runtime)
-        trainer = Trainer(
+        trainer = StableTrainer(
             model=model,
             args=args,
             train_dataset=data.train_dataset,

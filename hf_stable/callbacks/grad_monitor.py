@@ -1,11 +1,11 @@
 """`GradientMonitor`: gradient health every step — norms per group, max |grad| and where, explosion / vanishing.
 
 It reads the shared `GradStats` result in `on_pre_optimizer_step` (gradients accumulated, all-reduced, unscaled).
-Pre- or post-clip: with `TrainingArguments.max_grad_norm > 0` the Trainer has already clipped by then, so the
-numbers are post-clip and the monitor says so once; the hf_stable recipe sets `max_grad_norm=0` and clips per
-group in a guard, so the monitor sees pre-clip gradients. Under DDP the gradients are already averaged over
-ranks at this hook, so every rank reports the same numbers. Under DeepSpeed there is no `p.grad`: the monitor
-says once that it is off and logs nothing (never zeros).
+Pre- or post-clip: with `TrainingArguments.max_grad_norm > 0` a stock Trainer has already clipped by then, so the
+numbers are post-clip and the monitor says so once; `hf_stable.trainer.StableTrainer` takes the statistics before
+its clip (pre-clip numbers), and the hf_stable recipe sets `max_grad_norm=0` and clips per group in a guard.
+Under DDP the gradients are already averaged over ranks at this hook, so every rank reports the same numbers.
+Under DeepSpeed there is no `p.grad`: the monitor says once that it is off and logs nothing (never zeros).
 """
 
 from __future__ import annotations
@@ -120,15 +120,16 @@ class GradientMonitor(StabilityCallback):
                            severity=severity, **extra)]
 
     # --- Trainer hooks ------------------------------------------------------------------------------
-    def on_train_begin(self, args, state, control, **kwargs):
-        super().on_train_begin(args, state, control, **kwargs)
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        super().on_train_begin(args, state, control, model=model, **kwargs)
         if not self.enabled:
             return
         self._off_reason = None
         sharded = sharded_training(args)
         if sharded:
             self._say_off(state, sharded)
-        self._post_clip = bool(args.max_grad_norm and args.max_grad_norm > 0)
+        pre_clip = model is not None and GradStats.shared(model).pre_clip  # StableTrainer reads before clipping
+        self._post_clip = bool(args.max_grad_norm and args.max_grad_norm > 0) and not pre_clip
         if self._post_clip and self._off_reason is None:
             self.event(
                 state.global_step, "monitor_notice",

@@ -50,6 +50,8 @@ class DeviceGradStats:
         nonfinite: float32 [G] number of tensors per group whose gradient holds NaN/Inf.
         global_norm: float32 scalar, L2 norm over every gradient.
         group_ids: host copy of `group_index` (known without a transfer).
+        scale: device scalar the gradients were multiplied by after these statistics were taken (a clip by
+            `StableTrainer`), or None. The norms stay pre-clip; a later max |g| read is divided by it.
     """
 
     names: list[str]
@@ -62,6 +64,7 @@ class DeviceGradStats:
     nonfinite: torch.Tensor
     global_norm: torch.Tensor
     group_ids: list[int]
+    scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -107,6 +110,16 @@ class GradReport:
         return out
 
 
+def _device_runs(devices: list) -> list[tuple[int, int]]:
+    """[start, end) index ranges of consecutive equal devices."""
+    runs, start = [], 0
+    for i in range(1, len(devices) + 1):
+        if i == len(devices) or devices[i] != devices[start]:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
 class GradStats:
     """Per-group gradient statistics with one device→host transfer per step, shared by monitors and guards.
 
@@ -127,6 +140,7 @@ class GradStats:
         self._entries: list[tuple[str, torch.nn.Parameter, int]] | None = None
         self._params: list[torch.nn.Parameter] = []
         self._full: tuple | None = None
+        self._full_runs: list[tuple[int, int]] = []
         self._group_names: list[str] = []
         self._index_cache: dict = {}
         self._sources: dict[str, Callable[[], dict[str, torch.Tensor]]] = {}
@@ -134,6 +148,9 @@ class GradStats:
         self._dev: DeviceGradStats | None = None
         self._host_key = None
         self._host: GradReport | None = None
+        # True when the Trainer takes these statistics before its own clip (`StableTrainer`): pre-clip numbers
+        # even with `max_grad_norm > 0`.
+        self.pre_clip = False
 
     @classmethod
     def shared(cls, model: torch.nn.Module) -> GradStats:
@@ -153,6 +170,13 @@ class GradStats:
     def invalidate(self) -> None:
         """Forget the cached result (the next call computes again)."""
         self._dev_key = self._dev = self._host_key = self._host = None
+
+    def note_scaled(self, step: int, scale: torch.Tensor) -> None:
+        """Record that the step's gradients were multiplied by `scale` (device scalar) after the statistics were
+        taken, so a max |g| read later still reports the pre-scaling value (the norms are cached pre-scaling)."""
+        if self._dev is not None and self._hit(self._dev_key, step):
+            dev = self._dev
+            dev.scale = scale if dev.scale is None else dev.scale * scale
 
     @property
     def group_names(self) -> list[str]:
@@ -184,7 +208,8 @@ class GradStats:
                 order.setdefault(p.device, len(order))
             self._entries = sorted(entries, key=lambda e: order[e[1].device])
             self._params = [p for _, p, _ in self._entries]
-            self._full = None  # (names, params, group_ids) of the all-gradients case, built on first use
+            self._full_runs = _device_runs([p.device for p in self._params])
+            self._full = None  # (names, params, group_ids, group index) of the all-gradients case, built on first use
         return self._entries
 
     # --- on-device statistics -------------------------------------------------------------------
@@ -240,21 +265,18 @@ class GradStats:
             return None
         home = grads[0].device
         # One foreach call per device (entries are device-contiguous), results gathered on the first device.
-        l2, start = [], 0
-        while start < len(grads):
-            device, end = grads[start].device, start + 1
-            while end < len(grads) and grads[end].device == device:
-                end += 1
-            l2.append(torch.stack(torch._foreach_norm(grads[start:end], 2.0, dtype=torch.float32)).to(home))
-            start = end
+        # A gradient lives on its parameter's device, so the runs of the full set are known in advance.
+        runs = self._full_runs if present is self._entries else _device_runs([g.device for g in grads])
+        l2 = [torch.stack(torch._foreach_norm(grads[a:b], 2.0, dtype=torch.float32)).to(home) for a, b in runs]
         param_norms = torch.cat(l2) if len(l2) > 1 else l2[0]
         if present is self._entries:  # the usual case: every trainable tensor has a gradient
-            if self._full is None:
-                self._full = ([n for n, _, _ in present], list(self._params), [gi for _, _, gi in present])
-            names, params, group_ids = self._full
+            if self._full is None or self._full[3].device != home:
+                ids = [gi for _, _, gi in present]
+                self._full = ([n for n, _, _ in present], list(self._params), ids, self._group_index(tuple(ids), home))
+            names, params, group_ids, gidx = self._full
         else:
             names, params, group_ids = [n for n, _, _ in present], [p for _, p, _ in present], [e[2] for e in present]
-        gidx = self._group_index(tuple(group_ids), home)
+            gidx = self._group_index(tuple(group_ids), home)
         # squares and non-finite flags summed per group in one index_add
         columns = torch.stack([param_norms.square(), (~torch.isfinite(param_norms)).to(torch.float32)], dim=1)
         sums = torch.zeros(len(self._group_names), 2, dtype=torch.float32, device=home).index_add_(0, gidx, columns)
@@ -305,6 +327,8 @@ class GradStats:
                 dev.param_max_abs = torch.stack(
                     [n.to(home) for n in torch._foreach_norm(grads, math.inf, dtype=torch.float32)]
                 )
+            if dev.scale is not None:  # the gradients were clipped since the norms were taken: undo it here
+                dev.param_max_abs = dev.param_max_abs / dev.scale.to(home)
         return dev.param_max_abs
 
     @staticmethod

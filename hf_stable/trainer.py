@@ -1,0 +1,83 @@
+"""`StableTrainer`: a `transformers.Trainer` whose gradient norm comes from the monitors' single `GradStats` pass.
+
+Every hf_stable callback works in a stock `Trainer`. The stock Trainer, though, reads every gradient once more on
+its own each step: `clip_grad_norm_` with `max_grad_norm > 0`, or `clip_grad_norm_(..., inf)` just to log
+`grad_norm` when `max_grad_norm=0` (which also multiplies every gradient by 1.0). `StableTrainer` overrides the two
+methods behind that (`_clip_grad_norm`, `_get_grad_norm`) so that:
+
+* the norm is the shared `GradStats` result of the step (per-tensor L2 norms, one foreach pass), which the
+  monitors and guards then read from the cache: one pass over the gradients per step instead of two or three;
+* with `max_grad_norm > 0` it clips with the same global coefficient as torch's `clip_grad_norm_`
+  (`max_norm / (norm + 1e-6)`, at most 1), *after* the statistics are taken, so the monitors report pre-clip
+  numbers (a later max |g| read is rescaled by the recorded coefficient);
+* a non-finite norm leaves the gradients as they are. The stock clip multiplies every gradient by
+  `max_norm / NaN` = NaN, which hides which parameter went bad (the non-finite locator then needs a re-run);
+  the skip guard drops such a step either way, and without guards the run is broken either way.
+
+The logged `grad_norm` is the same quantity (fp32 accumulation; the stock value is accumulated in the gradient
+dtype). Anything this class cannot read exactly falls back to the stock methods: DeepSpeed, FSDP, XLA, mixed
+device meshes, SageMaker model parallel.
+
+Example:
+    >>> from hf_stable.trainer import StableTrainer
+    >>> trainer = StableTrainer(model=model, args=args, train_dataset=ds, callbacks=build_monitors(cfg))
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Trainer
+
+from hf_stable.callbacks.grad_stats import GradStats
+from hf_stable.distributed import sharded_training
+
+
+class StableTrainer(Trainer):
+    """`Trainer` that computes the step's gradient norm (and clip) from the shared `GradStats` pass."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.model is not None:  # tells the monitors their numbers are pre-clip even with max_grad_norm > 0
+            GradStats.shared(self.model).pre_clip = True
+
+    def _reads_gradients(self, model) -> bool:
+        from accelerate.utils import DistributedType
+        from transformers.utils import is_sagemaker_mp_enabled
+
+        if sharded_training(self.args) is not None or is_sagemaker_mp_enabled():
+            return False
+        if self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.XLA):
+            return False
+        return not self._has_mixed_mesh_grads(model)
+
+    def _shared_norm(self, model, max_norm: float | None) -> torch.Tensor | None:
+        """The step's global gradient norm from `GradStats` (clipping to `max_norm` after reading); None: fall back."""
+        if not self._reads_gradients(model):
+            return None
+        self.accelerator.unscale_gradients()  # fp16: once per step, as the stock clip does
+        stats = GradStats.shared(self.model)
+        dev = stats.device_stats(self.model, step=self.state.global_step)
+        if dev is None:  # no gradient at all (or sharded tensors): torch's own answer, without a second unscale
+            params = [p for p in model.parameters() if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        if max_norm is not None:
+            norm = dev.global_norm
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for p in dev.params:
+                if p.grad is not None:
+                    by_device.setdefault(p.grad.device, []).append(p.grad)
+            for device, grads in by_device.items():
+                torch._foreach_mul_(grads, coef.to(device))
+            stats.note_scaled(self.state.global_step, coef)
+        return dev.global_norm
+
+    def _clip_grad_norm(self, model):
+        norm = self._shared_norm(model, self.args.max_grad_norm)
+        return norm if norm is not None else super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            grad_norm = self._shared_norm(model, None)
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
