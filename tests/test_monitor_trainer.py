@@ -180,3 +180,21 @@ def test_anomaly_rerun_names_the_backward_op(tokenizer, tmp_path):
     # NaN flows backwards from layer 0's MLP: the embedding and layer 0 are hit, the layers above are not
     assert "model.embed_tokens.weight" in event["params"]
     assert not any(p.startswith("model.layers.1.") for p in event["params"])
+
+
+def test_a_transient_nan_loss_is_reported_as_not_reproduced(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
+    from guards_common import LossFault, tiny_lora_llama, token_data, training_args
+
+    model = tiny_lora_llama()
+    LossFault(model, [3])  # the 3rd training forward only: the locator's re-run of step 3 is clean
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=4), train_dataset=token_data(),
+                      callbacks=build_monitors(MonitorsConfig()))
+    trainer.train()
+    events = {e["kind"]: e for e in read_events(tmp_path) if e["step"] == 3}
+    assert events["nonfinite_loss"]["severity"] == "error"
+    message = events["nonfinite_grad"]["message"]
+    assert "the loss is non-finite" in message and "did not reproduce" in message

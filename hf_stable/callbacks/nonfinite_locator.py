@@ -3,7 +3,8 @@
 Where the gradients can be read matters. By `on_pre_optimizer_step` the Trainer has called
 `clip_grad_norm_(params, max_norm or inf)`, whose coefficient is NaN as soon as the total norm is non-finite,
 so one NaN gradient has turned *every* gradient into NaN (measured on transformers 5.24; see `grad_stats`).
-The locator therefore works in two stages:
+`hf_stable.trainer.StableTrainer` reads the gradients before its clip and never spreads a NaN. A non-finite loss
+also makes every gradient non-finite, legitimately. The locator therefore works in two stages:
 
 1. From the shared `GradStats`: if only some tensors are non-finite (no poisoning, e.g. a custom loop), those
    are the culprits — no extra work.
@@ -12,7 +13,8 @@ The locator therefore works in two stages:
    run's randomness is unchanged, and names the parameters whose fresh gradients are non-finite. With
    `detect_anomaly=True` the re-run also names the backward op that produced the first NaN. Flags are
    max-reduced over ranks, so every rank names the same parameters. The re-run costs one forward/backward of
-   the step, only on a failing step, at most `max_reruns` times per run.
+   the step, only on a failing step, at most `max_reruns` times per run. When the re-run gives finite gradients
+   the event says the fault did not reproduce (transient), instead of naming every tensor as a culprit.
 """
 
 from __future__ import annotations
@@ -109,20 +111,24 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         names = [n for n, bad in zip(dev.names, flags) if bad]
         how, op = "gradients", None
         if len(names) == len(dev.names) and len(names) > 1:
-            located, why = None, "switched off" if not self.rerun else f"used up (max_reruns={self.max_reruns})"
+            # Every gradient is non-finite: a non-finite loss does that, and so does the stock Trainer's clip
+            # (its NaN coefficient); `StableTrainer` does not spread NaN, so there the gradients are the truth.
+            cause = ("the loss is non-finite" if den and not math.isfinite(num) else
+                     "as found" if stats.pre_clip else "the Trainer's clip_grad_norm_ spreads one NaN to all")
+            why = "switched off" if not self.rerun else f"used up (max_reruns={self.max_reruns})"
+            located = None
             if self.rerun and self._reruns < self.max_reruns:
-                located, op = self._rerun(model, dev, args)
-                why = "not possible (no captured batch or no loss)"
-            if located is not None:
-                names, how = located, "a re-run of the step (the Trainer's norm call had spread NaN to all)"
+                located, op, why = self._rerun(model, dev, args)
+            if located:
+                names, how = located, f"a re-run of the step (every gradient was non-finite: {cause})"
             else:
-                how = ("gradients - every one is NaN, as the Trainer's clip_grad_norm_ spreads a NaN to all; the "
-                       f"re-run to find the source was {why}")
+                how = f"gradients - every one is non-finite ({cause}); the re-run {why}"
         self._report(step, names, how, op, dev, suppressed)
 
     # --- locating ---------------------------------------------------------------------------------------
-    def _rerun(self, model, dev, args) -> tuple[list[str] | None, str | None]:
-        """Fresh gradients of the step's micro-batches; every rank reaches the one collective, even on failure."""
+    def _rerun(self, model, dev, args) -> tuple[list[str] | None, str | None, str]:
+        """Fresh gradients of the step's micro-batches: (non-finite parameters or None, backward op, what the re-run
+        found when it names nobody). Every rank reaches the one collective, even on failure."""
         tap = StepTap.shared(model)
         self._reruns += 1
         params = dev.params
@@ -150,9 +156,12 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         flags = bad.tolist()
         if flags[-1]:
-            return None, op
+            return None, op, "was not possible (no captured batch, no loss, or it failed)"
         names = [n for n, f in zip(dev.names, flags) if f]
-        return (names or None), op
+        if not names:  # the same batch and weights now give finite gradients
+            return None, op, ("gave finite gradients: the fault did not reproduce (transient - e.g. a hardware "
+                              "error, a race, a non-deterministic op, or a fault injected into that one step)")
+        return names, op, "named them"
 
     def _grads_once(self, model, params, call_args, call_kwargs):
         """Gradients of one micro-batch (and, under detect_anomaly, the backward op that first made a NaN)."""
