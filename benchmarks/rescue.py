@@ -21,11 +21,10 @@ finite and within 5 % of that reference; *diverged* when it is non-finite or wor
 fine-tuning; *degraded* in between. A case the plain Trainer survives is reported as `survived` — the baseline
 did not fail there, so it is not a rescue.
 
-Measured (2 shared CPU cores, ~105 s): plain_failed=6/12 hf_stable_ok=10/12. NaN: plain ends NaN, hf_stable
-within 0.4 %. LR 10x: plain diverges (eval 4.5-4.6 vs 1.49); hf_stable rolls back 2-3 times and ends within
-1.3 % (seed 0, factor 0.125) or 5.7-6.6 % (factor 0.25, i.e. 2.5x the tuned LR: the plain Trainer run at 2.5e-2
-lands on the same 1.56-1.58, so the gap is the backed-off LR, not damage). Spikes and one poisoned batch: the
-plain Trainer's clipping absorbs them here (reported as survived); hf_stable skips them at no cost.
+Measured (2 CPU cores, idle, 91 s): plain_failed=6/12 hf_stable_ok=12/12. NaN: plain ends NaN, hf_stable within
+0.4 %. LR 10x: plain diverges (eval 4.5-4.6 vs 1.49); hf_stable rolls back twice (the second, in a row to the same
+snapshot, escalates the backoff to 0.25: LR factor 0.125) and ends within 1.0 %. Spikes and one poisoned batch:
+the plain Trainer's clipping absorbs them here (reported as survived); hf_stable skips them at no cost.
 
 Last line (machine-readable): `plain_failed=<n>/<N> hf_stable_ok=<m>/<N>` over the N stress runs.
 """
