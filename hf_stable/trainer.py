@@ -57,9 +57,14 @@ class StableTrainer(Trainer):
         self.accelerator.unscale_gradients()  # fp16: once per step, as the stock clip does
         stats = GradStats.shared(self.model)
         dev = stats.device_stats(self.model, step=self.state.global_step)
-        if dev is None:  # no gradient at all (or sharded tensors): torch's own answer, without a second unscale
-            params = [p for p in model.parameters() if p.grad is not None]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        with_grad = [p for p in model.parameters() if p.grad is not None]
+        if dev is not None and len(dev.params) != len(with_grad):  # parameters (un)frozen since the groups were read
+            stats.refresh()
+            dev = stats.device_stats(self.model, step=self.state.global_step)
+        if dev is None or len(dev.params) != len(with_grad):
+            # no gradient at all, sharded tensors, or gradients outside the trainable set: torch's own answer over
+            # every gradient, without a second unscale
+            return torch.nn.utils.clip_grad_norm_(with_grad, max_norm if max_norm is not None else float("inf"))
         if max_norm is not None:
             norm = dev.global_norm
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -138,3 +138,28 @@ def test_a_nan_gradient_is_not_smeared_over_every_tensor(tmp_path):
     assert len(seen["Trainer"][0]) == n_trainable and seen["Trainer"][1] == n_trainable
     # StableTrainer leaves them alone: the monitors count exactly the poisoned tensor
     assert seen["StableTrainer"] == ([poisoned], 1.0)
+
+
+class _Unfreeze(TrainerCallback):
+    """Unfreezes the final norm at one step (gradual unfreezing): it gets gradients from then on."""
+
+    def __init__(self, model, step):
+        self.param, self.step = model.base_model.model.model.norm.weight, step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            self.param.requires_grad_(True)
+
+
+def test_grad_norm_follows_parameters_unfrozen_mid_run(tmp_path):
+    norms = {}
+    for cls in (Trainer, StableTrainer):
+        model = tiny_lora_llama()
+        args = training_args(tmp_path / cls.__name__, max_steps=5, max_grad_norm=0.05)
+        trainer = cls(model=model, args=args, train_dataset=token_data(),
+                      callbacks=[*build_monitors(MonitorsConfig()), _Unfreeze(model, 3)])
+        trainer.train()
+        norms[cls.__name__] = _history(trainer, "grad_norm")
+    assert len(norms["StableTrainer"]) == 5
+    for step, value in norms["Trainer"].items():  # the stock clip counts every gradient, the new one included
+        assert norms["StableTrainer"][step] == pytest.approx(value, rel=1e-5), step
