@@ -7,6 +7,7 @@ the plain Trainer's weights ruined by the same fault.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -129,18 +130,19 @@ def test_repeated_rollbacks_to_one_snapshot_escalate_the_backoff(tmp_path, escal
         return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4, escalate=escalate),
                 ClipGuard(skip_guard=skip), lr]
 
-    # snapshots after 3 and 6; NaN 8-9 -> rollback to 6; NaN 10-11 -> again to 6 (nothing kept in between);
-    # good 12-14 -> new snapshot at 14; NaN 15-16 -> rollback to 14, which starts the backoff afresh
-    trainer, rec, guards = _run(tmp_path, guards_for, faults=[8, 9, 10, 11, 15, 16], max_steps=17)
+    # snapshots after 3 and 6; NaN 8-9 -> rollback to 6; NaN 10-11 right after (a burst of bad batches, no good
+    # step between) -> again to 6, same backoff; good 12, NaN 13-14 -> to 6 after a recovery: escalated;
+    # good 15-17 -> new snapshot at 17; NaN 18-19 -> rollback to 17, which starts the backoff afresh
+    _, rec, guards = _run(tmp_path, guards_for, faults=[8, 9, 10, 11, 13, 14, 18, 19], max_steps=20)
     events = [e for e in read_events(tmp_path) if e["kind"] == "rollback"]
-    assert [(e["step"], e["value"]) for e in events] == [(9, 6), (11, 6), (16, 14)]
-    expected = [0.5, 0.25, 0.5] if escalate else [0.5, 0.5, 0.5]
+    assert [(e["step"], e["value"]) for e in events] == [(9, 6), (11, 6), (14, 6), (19, 17)]
+    expected = [0.5, 0.5, 0.25, 0.5] if escalate else [0.5, 0.5, 0.5, 0.5]
     assert [e["backoff"] for e in events] == pytest.approx(expected)
-    factor = expected[0] * expected[1] * expected[2]
+    factor = math.prod(expected)
     assert _guard(guards, LRControl).factors == {"rollback": pytest.approx(factor)}
-    assert rec.effective_lrs[17][0] == pytest.approx(1e-3 * factor)
-    assert weights_equal(rec.weights[11], rec.weights[6]) and weights_equal(rec.weights[16], rec.weights[14])
-    assert all_finite(rec.weights[17])
+    assert rec.effective_lrs[20][0] == pytest.approx(1e-3 * factor)
+    assert weights_equal(rec.weights[14], rec.weights[6]) and weights_equal(rec.weights[19], rec.weights[17])
+    assert all_finite(rec.weights[20])
 
 
 def test_resume_restores_every_guard_state(tmp_path):

@@ -90,8 +90,8 @@ class RollbackConfig:
     lr_backoff: float = field(default=0.5, metadata=_h("Multiply the LR factor by this at each rollback."))
     escalate: bool = field(
         default=True,
-        metadata=_h("The k-th rollback in a row to the same snapshot multiplies by lr_backoff**k (0.5, 0.25, "
-                    "0.125): a repeat shows the LR overshoots by more than one backoff."),
+        metadata=_h("A rollback to the same snapshot after the run had recovered (>= 1 good step) raises the "
+                    "backoff exponent (x0.5, x0.25, x0.125): the LR overshoots by more than one backoff."),
     )
     storage: Literal["memory", "disk"] = field(
         default="memory",

@@ -9,12 +9,15 @@ the saved tensors back into the live ones (`copy_`, so dtype/device/identity sta
 equal), removes state that did not exist at snapshot time, and restores the skip guard's spike references. The
 LR factor `rollback` (see `LRControl`) is then multiplied by `lr_backoff` and persists on top of the schedule.
 
-Escalation (`escalate=True`): the k-th rollback *in a row to the same snapshot* (no good snapshot taken in between,
-so no progress was kept) multiplies the factor by `lr_backoff**k`, i.e. 0.5, then 0.25, then 0.125 (cumulative
-0.5, 0.125, 0.0156). A repeat proves the LR overshoots the stable range by more than one backoff; stepping faster
-wastes fewer steps on doomed retries, and the factor lands clearly below the edge of stability instead of on it
-(a 10x LR in `benchmarks/rescue.py` ended at 2.5x the tuned LR with plain halving, 6 % worse, and within 2 % with
-escalation). A rollback after a new snapshot starts again at `lr_backoff`.
+Escalation (`escalate=True`): a rollback to the same snapshot as the previous one (no snapshot taken in between, so
+no progress was kept) *after the run had recovered for at least one good step* raises the exponent: the factor is
+multiplied by `lr_backoff**k` for the k-th such escalation, i.e. 0.5, then 0.25, then 0.125 (cumulative 0.5, 0.125,
+0.0156). Training that recovers at the lower LR and then diverges again shows the LR overshoots the stable range by
+more than one backoff; stepping faster wastes fewer steps on doomed retries, and the factor lands clearly below
+the edge of stability instead of on it (a 10x LR in `benchmarks/rescue.py` ended at 2.5x the tuned LR with plain
+halving, 6 % worse, and within 1 % with escalation). A burst of consecutive bad batches (no good step between
+two rollbacks) is a data fault, not the LR: it keeps the current backoff. A new snapshot starts again at
+`lr_backoff`.
 
 What is not rewound: the data stream and the schedule. The batches that triggered the rollback are therefore
 never seen again, and the good batches trained since the snapshot are dropped (the event says how many steps).
@@ -60,7 +63,7 @@ class RollbackGuard(StabilityCallback):
         bad_steps: K, the number of bad steps ...
         window: ... within this many optimizer steps that triggers a rollback.
         lr_backoff: multiply the `rollback` LR factor by this at each rollback.
-        escalate: the k-th consecutive rollback to the same snapshot multiplies by `lr_backoff**k`.
+        escalate: a repeat rollback to the same snapshot after at least one good step raises the backoff exponent.
         storage: "memory" (CPU copies) or "disk" (one file per rank under the output dir).
         max_rollbacks: after this many rollbacks only skip (event `rollback_exhausted`).
         enabled: when False the callback does nothing.
@@ -91,7 +94,7 @@ class RollbackGuard(StabilityCallback):
         self.window = window
         self.lr_backoff = lr_backoff
         self.escalate = escalate
-        self._repeats = 0  # rollbacks in a row to the current snapshot
+        self._repeats = 0  # backoff exponent of the last rollback to the current snapshot (0: none yet)
         self.storage = storage
         self.max_rollbacks = max_rollbacks
         self._bad: deque[int] = deque()
@@ -225,7 +228,9 @@ class RollbackGuard(StabilityCallback):
             return
         snap_step, with_state = self.restore(optimizer)
         drop_gradients(optimizer, model)  # the skip guard dropped them already; be explicit for custom orders
-        self._repeats += 1
+        # the backoff exponent grows when the run had recovered since the last rollback to this snapshot
+        if self._repeats == 0 or (self.escalate and self._good_since > 0):
+            self._repeats += 1
         backoff = self.lr_backoff ** (self._repeats if self.escalate else 1)
         factor = self.lr_control.multiply("rollback", backoff)
         self._rollbacks += 1
@@ -233,11 +238,11 @@ class RollbackGuard(StabilityCallback):
         self._good_since = 0
         self._rolled_back_at = step
         note = "" if with_state else " (optimizer changed since the snapshot: its state was reset)"
+        escalated = " (escalated: diverged again after recovering at the lower LR)" if self._repeats > 1 else ""
         self.event(step, "rollback",
                    f"{self.bad_steps} bad steps within {self.window}: restored the snapshot of step {snap_step} "
                    f"(undoing steps {snap_step + 1}-{step}){note}; LR x{backoff:.4g}"
-                   f"{f' (rollback {self._repeats} in a row to this snapshot)' if self._repeats > 1 else ''}, "
-                   f"factor now {factor:.4g}",
+                   f"{escalated}, factor now {factor:.4g}",
                    value=snap_step, threshold=self.bad_steps, severity="error", lr_factor=factor,
                    backoff=backoff, rollbacks=self._rollbacks)
         self.record({"guard/rollbacks": float(self._rollbacks)})
