@@ -130,13 +130,16 @@ def test_repeated_rollbacks_to_one_snapshot_escalate_the_backoff(tmp_path, escal
         return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4, escalate=escalate),
                 ClipGuard(skip_guard=skip), lr]
 
-    # snapshots after 3 and 6; NaN 8-9 -> rollback to 6; NaN 10-11 right after (a burst of bad batches, no good
-    # step between) -> again to 6, same backoff; good 12, NaN 13-14 -> to 6 after a recovery: escalated;
-    # good 15-17 -> new snapshot at 17; NaN 18-19 -> rollback to 17, which starts the backoff afresh
+    # snapshots after 3 and 6; NaN 8-9 -> rollback to 6; NaN 10-11 right after (a burst: nothing applied since,
+    # the weights are still step 6's) -> held, no second backoff; good 12, NaN 13-14 -> to 6 after a recovery:
+    # escalated; good 15-17 -> new snapshot at 17; NaN 18-19 -> rollback to 17, which starts the backoff afresh
     _, rec, guards = _run(tmp_path, guards_for, faults=[8, 9, 10, 11, 13, 14, 18, 19], max_steps=20)
-    events = [e for e in read_events(tmp_path) if e["kind"] == "rollback"]
-    assert [(e["step"], e["value"]) for e in events] == [(9, 6), (11, 6), (14, 6), (19, 17)]
-    expected = [0.5, 0.5, 0.25, 0.5] if escalate else [0.5, 0.5, 0.5, 0.5]
+    all_events = read_events(tmp_path)
+    events = [e for e in all_events if e["kind"] == "rollback"]
+    assert [(e["step"], e["value"]) for e in events] == [(9, 6), (14, 6), (19, 17)]
+    assert [(e["step"], e["value"]) for e in all_events if e["kind"] == "rollback_held"] == [(11, 6)]
+    assert weights_equal(rec.weights[11], rec.weights[6]) and states_equal(rec.opt_state[11], rec.opt_state[6])
+    expected = [0.5, 0.25, 0.5] if escalate else [0.5, 0.5, 0.5]
     assert [e["backoff"] for e in events] == pytest.approx(expected)
     factor = math.prod(expected)
     assert _guard(guards, LRControl).factors == {"rollback": pytest.approx(factor)}

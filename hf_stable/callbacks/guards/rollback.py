@@ -10,14 +10,17 @@ equal), removes state that did not exist at snapshot time, and restores the skip
 LR factor `rollback` (see `LRControl`) is then multiplied by `lr_backoff` and persists on top of the schedule.
 
 Escalation (`escalate=True`): a rollback to the same snapshot as the previous one (no snapshot taken in between, so
-no progress was kept) *after the run had recovered for at least one good step* raises the exponent: the factor is
+no progress was kept), after the run had recovered for at least one good step, raises the exponent: the factor is
 multiplied by `lr_backoff**k` for the k-th such escalation, i.e. 0.5, then 0.25, then 0.125 (cumulative 0.5, 0.125,
 0.0156). Training that recovers at the lower LR and then diverges again shows the LR overshoots the stable range by
 more than one backoff; stepping faster wastes fewer steps on doomed retries, and the factor lands clearly below
 the edge of stability instead of on it (a 10x LR in `benchmarks/rescue.py` ended at 2.5x the tuned LR with plain
-halving, 6 % worse, and within 1 % with escalation). A burst of consecutive bad batches (no good step between
-two rollbacks) is a data fault, not the LR: it keeps the current backoff. A new snapshot starts again at
-`lr_backoff`.
+halving, 6 % worse, and within 1 % with escalation). A new snapshot starts again at `lr_backoff`.
+
+Bursts: when K more bad steps follow a rollback with no step applied in between, the weights and optimizer state
+are still exactly the snapshot's and the LR was never used, so restoring again would only lower the LR. The guard
+then keeps skipping without a rollback or backoff (event `rollback_held`, once per burst): a run of bad batches is
+a data fault, and punishing the LR for it would slow the rest of the run.
 
 What is not rewound: the data stream and the schedule. The batches that triggered the rollback are therefore
 never seen again, and the good batches trained since the snapshot are dropped (the event says how many steps).
@@ -95,6 +98,7 @@ class RollbackGuard(StabilityCallback):
         self.lr_backoff = lr_backoff
         self.escalate = escalate
         self._repeats = 0  # backoff exponent of the last rollback to the current snapshot (0: none yet)
+        self._held_said = False
         self.storage = storage
         self.max_rollbacks = max_rollbacks
         self._bad: deque[int] = deque()
@@ -116,13 +120,14 @@ class RollbackGuard(StabilityCallback):
     # --- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"bad": list(self._bad), "good_since": self._good_since, "rollbacks": self._rollbacks,
-                "repeats": self._repeats}
+                "repeats": self._repeats, "held_said": self._held_said}
 
     def load_state_dict(self, state: dict) -> None:
         self._bad = deque(int(s) for s in state.get("bad", []))
         self._good_since = int(state.get("good_since", 0))
         self._rollbacks = int(state.get("rollbacks", 0))
         self._repeats = int(state.get("repeats", 0))
+        self._held_said = bool(state.get("held_said", False))
 
     @property
     def rollbacks(self) -> int:
@@ -220,6 +225,18 @@ class RollbackGuard(StabilityCallback):
             self._bad.popleft()
         if len(self._bad) < self.bad_steps:
             return
+        if self._repeats and self._good_since == 0:
+            # Every step since the last restore was skipped: the weights and optimizer state are still the
+            # snapshot's, and the LR was not used - restoring again would change nothing but the LR.
+            self._bad.clear()
+            if not self._held_said:
+                self._held_said = True
+                self.event(step, "rollback_held",
+                           f"{self.bad_steps} more bad steps right after the rollback, none applied since: the "
+                           f"weights are still the snapshot of step {self._snapshot_step}; skipping them without "
+                           "another LR backoff (a burst of bad data, not the LR)", value=self._snapshot_step,
+                           threshold=self.bad_steps, severity="warning")
+            return
         if self._rollbacks >= self.max_rollbacks:
             if not self._exhausted_said:
                 self._exhausted_said = True
@@ -229,8 +246,7 @@ class RollbackGuard(StabilityCallback):
         snap_step, with_state = self.restore(optimizer)
         drop_gradients(optimizer, model)  # the skip guard dropped them already; be explicit for custom orders
         # the backoff exponent grows when the run had recovered since the last rollback to this snapshot
-        if self._repeats == 0 or (self.escalate and self._good_since > 0):
-            self._repeats += 1
+        self._repeats += 1
         backoff = self.lr_backoff ** (self._repeats if self.escalate else 1)
         factor = self.lr_control.multiply("rollback", backoff)
         self._rollbacks += 1
@@ -253,6 +269,7 @@ class RollbackGuard(StabilityCallback):
             good = verdict is None or verdict.step != state.global_step or not verdict.skip
             if good and self._rolled_back_at != state.global_step:
                 self._good_since += 1
+                self._held_said = False
                 if self._good_since >= self.snapshot_every and self.skip_guard.healthy:
                     self.take_snapshot(state.global_step, optimizer)
         super().on_step_end(args, state, control, optimizer=optimizer, **kwargs)
