@@ -46,10 +46,10 @@ class SkipConfig:
         metadata=_h("Skip when the step loss is this many robust standard deviations above the recent median ..."),
     )
     loss_spike_min_rel: float = field(
-        default=0.5, metadata=_h("... and at least this fraction above that median (both must hold). ")
+        default=1.0, metadata=_h("... and at least this fraction above that median (both must hold). ")
     )
     loss_rise_rel: float | None = field(
-        default=0.2,
+        default=0.5,
         metadata=_h("Skip while a fast EMA of the loss is this fraction above the recent best of a smoothed loss "
                     "(a divergence under way; these steps count towards a rollback). null = off."),
     )

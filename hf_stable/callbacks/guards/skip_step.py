@@ -20,6 +20,12 @@ loss rise (a fast EMA of the loss, which follows a divergence step by step, sits
 best of a smoothed loss). A rise is not one bad batch but a run going wrong: its steps count as bad steps for
 `RollbackGuard`, which restores the weights from before the rise.
 
+Calibration of the loss rules: healthy multi-epoch fine-tuning of the embedded bases (4 epochs, 16-sample batches,
+logged every step) reached 1.57x the window median on a good batch and a fast-EMA rise of 1.27x over the recent
+best; garbage batches sit at 3x and more, and a divergence passes 1.5x within a few steps. Hence the defaults: a
+spike must be at least 2x the median (`loss_spike_min_rel=1.0`) and a rise 1.5x (`loss_rise_rel=0.5`); at 1.5x
+and 1.2x the 4-epoch tiny-qwen3 run skipped 8 healthy steps and rolled back once.
+
 Spike references (an EMA of the grad norm, a window of losses for a robust z-score) learn from accepted steps
 only, so a run of spikes cannot drag the bar up. A level that persists for `max_consecutive_skips` steps is
 taken as the new normal (the references restart from it) rather than skipped forever; usually `RollbackGuard`
@@ -89,8 +95,8 @@ class SkipGuard(StepTapUser, StabilityCallback):
         grad_spike_ratio: float | None = 10.0,
         grad_norm_max: float | None = None,
         loss_spike_zscore: float | None = 3.0,
-        loss_spike_min_rel: float = 0.25,
-        loss_rise_rel: float | None = 0.2,
+        loss_spike_min_rel: float = 1.0,
+        loss_rise_rel: float | None = 0.5,
         loss_fast_beta: float = 0.7,
         ema_beta: float = 0.95,
         window: int = 50,
