@@ -41,6 +41,24 @@ class OutputDir:
                 yaml.safe_dump(config, fh, sort_keys=False, allow_unicode=True)
         return self
 
+    def set_aside_events(self, resuming: bool) -> Path | None:
+        """A fresh run (not a resume) into a directory that holds an earlier run's `stability_events.jsonl`:
+        rename that file to `stability_events.<time>.jsonl` so the report and model card show this run's events
+        only, and nothing is lost. Returns the new path, or None when there was nothing to move."""
+        from hf_stable.callbacks.events import EVENTS_FILE
+
+        old = self.path / EVENTS_FILE
+        if resuming or not is_main_process() or not old.is_file():
+            return None
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(old.stat().st_mtime))
+        target = self.path / f"{old.stem}.{stamp}{old.suffix}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.path / f"{old.stem}.{stamp}-{n}{old.suffix}"
+        old.replace(target)
+        return target
+
     def write_json(self, name: str, data) -> Path:
         if is_main_process():
             self._write_json(name, data)

@@ -51,6 +51,9 @@ def main(argv: list[str]) -> None:
         logger.info("config %s -> output dir %s", cfg.source, args.output_dir)
 
         resume = resolve_resume(cfg.runtime.resume, args)  # newest *complete* checkpoint, same on every rank
+        moved = output.set_aside_events(resuming=resume is not None)  # a fresh run reports only its own events
+        if moved is not None:
+            logger.info("an earlier run's stability events were moved to %s", moved.name)
 
         # 1. base model, tokenizer, LoRA
         with args.main_process_first(desc="base model"):  # rank 0 builds/downloads, the others then read

@@ -171,3 +171,20 @@ def test_sigterm_saves_a_checkpoint_stops_and_resumes_to_the_same_adapter(tmp_pa
     saved = _state(out)["stateful_callbacks"]["hf_stable"]
     assert saved["PreemptionCallback"] == {"preemptions": 1}  # restored from checkpoint-5, not reset
     assert (out / "run_summary.json").is_file() and not (out / "RUN_INCOMPLETE.json").exists()
+
+
+def test_a_fresh_run_sets_an_earlier_runs_events_aside_and_a_resume_keeps_them(tmp_path):
+    from hf_stable.callbacks.events import EVENTS_FILE, read_events, write_event
+    from hf_stable.outputs import OutputDir
+
+    write_event(str(tmp_path), step=7, kind="step_skipped", message="from the earlier run", source="test")
+    out = OutputDir(tmp_path)
+    assert out.set_aside_events(resuming=True) is None  # a resume continues the same run's events
+    assert [e["step"] for e in read_events(tmp_path)] == [7]
+    moved = out.set_aside_events(resuming=False)
+    assert moved is not None and moved.parent == tmp_path and moved.name != EVENTS_FILE
+    assert read_events(tmp_path) == [] and "from the earlier run" in moved.read_text()  # set aside, not lost
+    write_event(str(tmp_path), step=1, kind="rollback", message="a second earlier run", source="test")
+    second = out.set_aside_events(resuming=False)  # same second: never overwrites the first
+    assert second != moved and moved.is_file() and second.is_file()
+    assert out.set_aside_events(resuming=False) is None  # nothing left to move
