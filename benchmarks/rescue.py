@@ -12,6 +12,8 @@ Stress cases (each x every seed):
 * `nan`      the loss is NaN at 3 random steps (so are the gradients).
 * `spikes`   the loss is x1e3 at 3 random steps (gradients x1e3).
 * `poison`   2 batches replaced by garbage tokens (uniform random ids, fully supervised).
+* `poison_burst`  10 consecutive garbage batches (a corrupted shard): bad data, not damaged weights - the rollback
+             guard must tell the two apart (`rollback_check`) instead of undoing good steps and cutting the LR.
 
 `plain` is `Trainer` with `max_grad_norm=1.0`; `hf_stable` is `Trainer` with `max_grad_norm=0` and
 `build_guards(GuardsConfig())` (skip + rollback + adaptive clipping). The reference is the plain Trainer's clean
@@ -21,10 +23,12 @@ finite and within 5 % of that reference; *diverged* when it is non-finite or wor
 fine-tuning; *degraded* in between. A case the plain Trainer survives is reported as `survived` — the baseline
 did not fail there, so it is not a rescue.
 
-Measured (2 CPU cores, idle, 91 s): plain_failed=6/12 hf_stable_ok=12/12. NaN: plain ends NaN, hf_stable within
-0.4 %. LR 10x: plain diverges (eval 4.5-4.6 vs 1.49); hf_stable rolls back twice (the second, in a row to the same
-snapshot, escalates the backoff to 0.25: LR factor 0.125) and ends within 1.0 %. Spikes and one poisoned batch:
-the plain Trainer's clipping absorbs them here (reported as survived); hf_stable skips them at no cost.
+Measured (2 CPU cores, idle, 150 s): plain_failed=7/15 hf_stable_ok=15/15. NaN: plain ends NaN, hf_stable within
+0.4 %. LR 10x: plain diverges (eval 4.5-4.6 vs 1.49); hf_stable rolls back twice (the second, after a recovery,
+escalates the backoff to 0.25: LR factor 0.125) and ends within 1.0 %. Spikes and one poisoned batch: the plain
+Trainer's clipping absorbs them here (reported as survived); hf_stable skips them at no cost. Burst of 10 garbage
+batches: plain 2.9-9.0 % worse; hf_stable skips all ten, the rollback check finds the batches as bad at the
+snapshot's weights and declines the rollback: within 0.6 % (before that check: 1 rollback, 4.8-6.6 % worse).
 
 Last line (machine-readable): `plain_failed=<n>/<N> hf_stable_ok=<m>/<N>` over the N stress runs.
 """
@@ -55,7 +59,8 @@ import torch  # noqa: E402
 VOCAB, LENGTH, BATCH = 128, 32, 8
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CLEAN_LR = 1e-2  # the best of 3e-3 / 1e-2 / 3e-2 on the clean task: "10x too high" is measured from a tuned LR
-CASES = ("lr_10x", "nan", "spikes", "poison")
+CASES = ("lr_10x", "nan", "spikes", "poison", "poison_burst")
+BURST = 10  # consecutive garbage batches in `poison_burst`
 TOLERANCE = 0.05
 
 
@@ -122,6 +127,9 @@ class Faults:
         self.case = case
         count = {"nan": 3, "spikes": 3, "poison": 2}.get(case, 0)
         self.at = set(rng.sample(window, count)) if count else set()
+        if case == "poison_burst":
+            start = rng.randrange(20, steps - BURST - 20)
+            self.at = set(range(start, start + BURST))
         self.forwards = 0
         self.gen = torch.Generator().manual_seed(seed)
         if self.at:
@@ -129,13 +137,16 @@ class Faults:
             model.register_forward_hook(self._post)
 
     def _training(self, module) -> bool:
-        return module.training and torch.is_grad_enabled()
+        """The Trainer's own forwards only: hf_stable's re-runs (locator, rollback probe) pause the StepTap."""
+        from hf_stable.callbacks.step_tap import StepTap
+
+        return module.training and torch.is_grad_enabled() and not StepTap.shared(module)._paused
 
     def _pre(self, module, args, kwargs):
         if not self._training(module):
             return None
         self.forwards += 1
-        if self.case == "poison" and self.forwards in self.at:
+        if self.case in ("poison", "poison_burst") and self.forwards in self.at:
             ids = kwargs["input_ids"]
             garbage = torch.randint(0, VOCAB, ids.shape, generator=self.gen).to(ids.device)
             kwargs["input_ids"], kwargs["labels"] = garbage, garbage.clone()
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     base = pretrain_base()
     before = base_eval_loss(base)
     print(f"base eval loss before fine-tuning: {before:.3f}  (pretraining {time.perf_counter() - t0:.1f}s)")
-    header = (f"{'case':<8} {'seed':>4} {'plain':>7} {'hf_stable':>9} {'ref':>6} {'plain_vs_ref':>12} "
+    header = (f"{'case':<12} {'seed':>4} {'plain':>7} {'hf_stable':>9} {'ref':>6} {'plain_vs_ref':>12} "
               f"{'hf_vs_ref':>9} {'plain':>9} {'hf_stable':>9} {'skips':>5} {'rollb':>5} {'lr_fac':>6}")
     rows, plain_failed, hf_ok, n = [], 0, 0, 0
     for seed in opts.seeds:
@@ -243,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         vh = vh or "-"
         if vp == "ok":
             vp = "survived"
-        print(f"{case:<8} {seed:>4} {_fmt(p):>7} {_fmt(h):>9} {ref:>6.3f} {ratio(p):>12} {ratio(h):>9} {vp:>9} "
+        print(f"{case:<12} {seed:>4} {_fmt(p):>7} {_fmt(h):>9} {ref:>6.3f} {ratio(p):>12} {ratio(h):>9} {vp:>9} "
               f"{vh:>9} {ours['skips']:>5} {ours['rollbacks']:>5} {ours['lr_factor']:>6.3g}")
     survived = [(c, s) for c, s, _, _, _, _, vp, _ in rows if vp == "ok"]
     if survived:

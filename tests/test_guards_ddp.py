@@ -19,9 +19,11 @@ def test_nan_on_one_rank_skips_on_both_and_weights_stay_identical(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert ranks[0]["world_size"] == 2
     for r in ranks:
-        assert r["skipped"] == [3, 6]  # step 6: only rank 1 saw the NaN, the agreed flag skipped it on rank 0 too
-        assert r["unchanged_at"] == [3, 6]
-        assert r["finite"]
+        assert r["skipped"] == [3, 6, 8]  # step 6: only rank 1 saw the NaN, the agreed flag skipped it on rank 0 too
+        assert r["unchanged_at"] == [3, 6]  # step 8 was skipped and rolled back: weights of step 0 again
+        assert r["restored_to_start"] and r["finite"]
+        rollbacks = [e for e in r["events"] if e["kind"].startswith("rollback")]
+        assert [(e["kind"], e["step"], e["check"]) for e in rollbacks] == [("rollback", 8, "damaged weights")]
     assert [e["kind"] for e in ranks[0]["events"]] == [e["kind"] for e in ranks[1]["events"]]
     w0, w1 = (torch.load(tmp_path / f"rank{i}.pt") for i in (0, 1))
     assert set(w0) == set(w1) and all(torch.equal(w0[k], w1[k]) for k in w0)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
 from guards_common import (  # noqa: E402
     LossFault,
     Recorder,
+    WeightDamage,
     all_finite,
     states_equal,
     tiny_lora_llama,
@@ -32,14 +33,17 @@ from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, Skip
 from hf_stable.config.guards import GuardsConfig  # noqa: E402
 
 
-def _run(tmp, callbacks_for, faults=(), factor=float("nan"), data=None, resume=None, **args_kw):
+def _run(tmp, callbacks_for, faults=(), factor=float("nan"), data=None, resume=None, damage=(), **args_kw):
+    """`faults`: steps whose loss is x `factor` (bad data); `damage`: steps after whose update the weights are
+    damaged (what a too-large update does) until a rollback."""
     model = tiny_lora_llama()
     if faults:
         LossFault(model, faults, factor)
     rec = Recorder(model)
     args = training_args(tmp, **args_kw)
     guards = callbacks_for(model)
-    trainer = Trainer(model=model, args=args, train_dataset=data or token_data(), callbacks=[*guards, rec])
+    extra = [WeightDamage(model, damage)] if damage else []
+    trainer = Trainer(model=model, args=args, train_dataset=data or token_data(), callbacks=[*guards, rec, *extra])
     trainer.train(resume_from_checkpoint=resume)
     return trainer, rec, guards
 
@@ -105,8 +109,9 @@ def test_k_bad_steps_roll_back_bitwise_and_halve_the_lr(tmp_path, storage):
         return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4, storage=storage),
                 ClipGuard(skip_guard=skip), lr]
 
-    # good 1..7 (snapshots after 3 and 6), NaN at 8 and 9: the second bad step within 4 triggers the rollback
-    trainer, rec, guards = _run(tmp_path, guards_for, faults=[8, 9], max_steps=11)
+    # good 1..7 (snapshots after 3 and 6), weights damaged after step 7's update: steps 8 and 9 are bad, the
+    # second bad step within 4 triggers the rollback (the probe finds the batch fine at step 6's weights)
+    trainer, rec, guards = _run(tmp_path, guards_for, damage=[7], max_steps=11)
     rollback = _guard(guards, RollbackGuard)
     assert rollback.rollbacks == 1
     assert weights_equal(rec.weights[9], rec.weights[6])  # restored exactly (step 7's update undone)
@@ -123,6 +128,28 @@ def test_k_bad_steps_roll_back_bitwise_and_halve_the_lr(tmp_path, storage):
     assert (Path(tmp_path) / "hf_stable_rollback" / "rank0.pt").is_file() == (storage == "disk")
 
 
+def test_bad_data_is_skipped_without_a_rollback_bad_weights_are_rolled_back(tmp_path):
+    def guards_for(model):
+        skip, lr = SkipGuard(), LRControl()
+        return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4), ClipGuard(skip_guard=skip),
+                lr]
+
+    # NaN loss at 8 and 9 (bad data): the probe finds step 9's batch fine at the current weights too - nothing
+    # was damaged (8 and 9 were skipped), so the good steps since the snapshot (step 7) are kept, LR unchanged
+    _, rec, guards = _run(tmp_path / "data", guards_for, faults=[8, 9], max_steps=11)
+    (declined,) = [e for e in read_events(tmp_path / "data") if e["kind"].startswith("rollback")]
+    assert declined["kind"] == "rollback_declined" and declined["step"] == 9 and declined["value"] == 6
+    assert _guard(guards, RollbackGuard).rollbacks == 0 and _guard(guards, LRControl).product == 1.0
+    assert weights_equal(rec.weights[9], rec.weights[7]) and not weights_equal(rec.weights[7], rec.weights[6])
+    assert not weights_equal(rec.weights[10], rec.weights[9])  # training goes on from step 7's weights
+    # the same two bad steps caused by damaged weights: the batch is fine at the snapshot's -> rolled back
+    _, rec, guards = _run(tmp_path / "weights", guards_for, damage=[7], max_steps=11)
+    assert _guard(guards, RollbackGuard).rollbacks == 1 and weights_equal(rec.weights[9], rec.weights[6])
+    (event,) = [e for e in read_events(tmp_path / "weights") if e["kind"].startswith("rollback")]
+    assert event["kind"] == "rollback" and event["check"] == "damaged weights"
+    assert all_finite(rec.weights[11])
+
+
 @pytest.mark.parametrize("escalate", [True, False])
 def test_repeated_rollbacks_to_one_snapshot_escalate_the_backoff(tmp_path, escalate):
     def guards_for(model):
@@ -130,10 +157,11 @@ def test_repeated_rollbacks_to_one_snapshot_escalate_the_backoff(tmp_path, escal
         return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4, escalate=escalate),
                 ClipGuard(skip_guard=skip), lr]
 
-    # snapshots after 3 and 6; NaN 8-9 -> rollback to 6; NaN 10-11 right after (a burst: nothing applied since,
-    # the weights are still step 6's) -> held, no second backoff; good 12, NaN 13-14 -> to 6 after a recovery:
-    # escalated; good 15-17 -> new snapshot at 17; NaN 18-19 -> rollback to 17, which starts the backoff afresh
-    _, rec, guards = _run(tmp_path, guards_for, faults=[8, 9, 10, 11, 13, 14, 18, 19], max_steps=20)
+    # snapshots after 3 and 6; damage after 7 -> bad 8-9 -> rollback to 6; bad data at 10-11 right after (a burst:
+    # nothing applied since, the weights are still step 6's) -> held, no second backoff; good 12, damaged after
+    # it -> bad 13-14 -> to 6 after a recovery: escalated; good 15-17 -> new snapshot at 17, damaged after it ->
+    # bad 18-19 -> rollback to 17, which starts the backoff afresh
+    _, rec, guards = _run(tmp_path, guards_for, faults=[10, 11], damage=[7, 12, 17], max_steps=20)
     all_events = read_events(tmp_path)
     events = [e for e in all_events if e["kind"] == "rollback"]
     assert [(e["step"], e["value"]) for e in events] == [(9, 6), (14, 6), (19, 17)]
@@ -158,7 +186,7 @@ def test_resume_restores_every_guard_state(tmp_path):
         return build_guards(cfg)
 
     kw = dict(max_steps=8, save_strategy="steps", save_steps=4)
-    full, rec_full, g_full = _run(tmp_path / "full", guards_for, faults=[2, 3], **kw)
+    full, rec_full, g_full = _run(tmp_path / "full", guards_for, damage=[1], **kw)
     assert _guard(g_full, RollbackGuard).rollbacks == 1
     resumed, rec_res, g_res = _run(tmp_path / "res", guards_for, resume=str(tmp_path / "full" / "checkpoint-4"), **kw)
     saved = full.state.stateful_callbacks["hf_stable"]

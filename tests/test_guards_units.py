@@ -240,3 +240,25 @@ def test_build_guards_defaults_and_training_overrides():
         assert guard_training_overrides(cfg, {}) == {"max_grad_norm": 0.0}
     cfg.enabled = False
     assert build_guards(cfg) == [] and guard_training_overrides(cfg, {"max_grad_norm": 1.0}) == {}
+
+
+def test_rollback_check_tells_damaged_weights_from_bad_data():
+    from hf_stable.callbacks.guards.rollback_check import Probe, weights_damaged
+
+    skip = SkipGuard(warmup_steps=1)
+    for step in range(1, 21):  # references: grad norm ~1, loss ~2
+        skip.decide(step, [0, 0, 0, 0], 1.0, 2.0 + 0.01 * (step % 3))
+    nan = float("nan")
+    judge = skip.local_flags
+    # a real step with a 20x gradient, reproduced by the re-run at the current weights (scale 1)
+    assert weights_damaged(20.0, 2.1, Probe(20.0, 2.1), Probe(1.1, 2.0), judge)  # fine at the snapshot: weights
+    assert not weights_damaged(20.0, 2.1, Probe(20.0, 2.1), Probe(18.0, 2.2), judge)  # as bad there: data
+    assert not weights_damaged(1.0, 6.0, Probe(1.0, 6.0), Probe(1.0, 5.8), judge)  # a garbage batch stays a spike
+    # the Trainer's scale differs from the re-run's (e.g. gradient averaging over 4 ranks): calibrated by `now`
+    assert weights_damaged(20.0, 2.1, Probe(80.0, 8.4), Probe(4.4, 8.0), judge)
+    assert not weights_damaged(20.0, 2.1, Probe(80.0, 8.4), Probe(72.0, 8.8), judge)
+    # non-finite: reproduced now and gone at the snapshot = damaged; still there = data; not reproduced = transient
+    assert weights_damaged(nan, nan, Probe(nan, nan), Probe(1.0, 2.0), judge)
+    assert not weights_damaged(nan, nan, Probe(nan, nan), Probe(nan, nan), judge)
+    assert not weights_damaged(nan, nan, Probe(1.0, 2.0), Probe(1.0, 2.0), judge)
+    assert weights_damaged(20.0, 2.1, Probe(0.0, 2.1), Probe(1.0, 2.0), judge) is None  # no scale: cannot tell

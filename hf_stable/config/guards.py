@@ -93,6 +93,11 @@ class RollbackConfig:
         metadata=_h("A rollback to the same snapshot after the run had recovered (>= 1 good step) raises the "
                     "backoff exponent (x0.5, x0.25, x0.125): the LR overshoots by more than one backoff."),
     )
+    verify: bool = field(
+        default=True,
+        metadata=_h("Before restoring, re-run the step's batch at the snapshot's weights; when it is as bad there "
+                    "(bad data, not damaged weights) only skip (memory storage)."),
+    )
     storage: Literal["memory", "disk"] = field(
         default="memory",
         metadata=_h("Where snapshots live: CPU memory (LoRA: small) or <output_dir>/hf_stable_rollback (large)."),

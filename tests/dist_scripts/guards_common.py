@@ -60,9 +60,18 @@ def training_args(out, **kw) -> TrainingArguments:
     return TrainingArguments(**base)
 
 
+def _trainer_forward(module) -> bool:
+    """A forward of the Trainer's own step: training mode, grad on, and not one of hf_stable's re-runs (the
+    non-finite locator, the rollback probe), which run with the model's StepTap paused."""
+    from hf_stable.callbacks.step_tap import StepTap
+
+    return module.training and torch.is_grad_enabled() and not StepTap.shared(module)._paused
+
+
 class LossFault:
     """Forward hook that multiplies the training loss by `factor` (NaN, 1e3 ...) at chosen 1-based optimizer
-    steps, on one rank or all. Works with gradient accumulation 1 (one training forward per step)."""
+    steps, on one rank or all: a fault in that step's data, which a re-run of the batch does not reproduce. Works
+    with gradient accumulation 1 (one training forward per step)."""
 
     def __init__(self, model, steps, factor=float("nan"), rank: int | None = None):
         self.steps, self.factor, self.rank = set(steps), factor, rank
@@ -70,13 +79,30 @@ class LossFault:
         self.handle = model.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
-        if not (module.training and torch.is_grad_enabled()):
+        if not _trainer_forward(module):
             return None
         self.forwards += 1
         my_rank = int(os.environ.get("RANK", "0"))
         if self.forwards in self.steps and (self.rank is None or self.rank == my_rank):
             output["loss"] = output["loss"] * self.factor
         return output
+
+
+class WeightDamage(TrainerCallback):
+    """Damages the weights after the update of chosen steps (every LoRA B x `factor`, NaN by default, in
+    `on_step_end`): what an overflowing update does. Every later batch then has a non-finite (or, with a large
+    finite factor, a huge) loss and gradient until a rollback restores weights from before the damage - unlike a
+    data fault, the same batch is fine at the snapshot's weights."""
+
+    def __init__(self, model, steps, factor: float = float("nan"), rank: int | None = None):
+        self.model, self.steps, self.factor, self.rank = model, set(steps), factor, rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.steps and self.rank in (None, args.process_index):
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if "lora_B" in name:
+                        p.mul_(self.factor)
 
 
 class GradFaultOnRank(StabilityCallback):

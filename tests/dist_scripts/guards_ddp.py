@@ -7,9 +7,12 @@ rank 1 only:
 * step 3: the loss is NaN on rank 1 (forward hook); DDP's all-reduce spreads NaN to both ranks' gradients.
 * step 6: one gradient element is set to NaN on rank 1 *after* the all-reduce; rank 0's gradients are clean, so
   only the guard's agreed decision (a max-reduced flag) keeps rank 0 from stepping while rank 1 skips.
+* after step 7: rank 1's weights are damaged (NaN), so step 8 is bad on both ranks - the third bad step within 20.
+  The rollback check re-runs the batch on each rank at the current and the snapshot's weights; its all-reduced
+  numbers (NaN now, finite at the snapshot) say "damaged" on both, and both restore the snapshot of step 0.
 
-Both ranks must skip steps 3 and 6, end with bitwise identical finite weights, and never hang (the faulthandler
-below turns a hang into stack traces and an exit).
+Both ranks must skip steps 3, 6 and 8, roll back at 8, end with bitwise identical finite weights, and never hang
+(the faulthandler below turns a hang into stack traces and an exit).
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hf_stable.distributed import shutdown  # noqa: E402
 import torch  # noqa: E402
 from guards_common import (  # noqa: E402
     GradFaultOnRank,
     LossFault,
     Recorder,
+    WeightDamage,
     all_finite,
     tiny_lora_llama,
     token_data,
@@ -38,6 +41,7 @@ from transformers import Trainer  # noqa: E402
 
 from hf_stable.callbacks.guards import SkipGuard, build_guards  # noqa: E402
 from hf_stable.config.guards import GuardsConfig  # noqa: E402
+from hf_stable.distributed import shutdown  # noqa: E402
 
 
 def main(out: str) -> None:
@@ -46,20 +50,21 @@ def main(out: str) -> None:
     LossFault(model, [3], rank=1)
     guards = build_guards(GuardsConfig())
     rec = Recorder(model)
-    args = training_args(out, max_steps=8, per_device_train_batch_size=2)
+    args = training_args(out, max_steps=10, per_device_train_batch_size=2)
     trainer = Trainer(model=model, args=args, train_dataset=token_data(64),
-                      callbacks=[GradFaultOnRank(step=6, rank=1), *guards, rec])
+                      callbacks=[GradFaultOnRank(step=6, rank=1), *guards, rec, WeightDamage(model, [7], rank=1)])
     trainer.train()
     skip = next(g for g in guards if isinstance(g, SkipGuard))
     rank = args.process_index
     result = {
         "world_size": args.world_size,
         "skipped": skip.skipped_steps,
-        "unchanged_at": [s for s in range(1, 9) if weights_equal(rec.weights[s - 1], rec.weights[s])],
-        "finite": all_finite(rec.weights[8]),
+        "unchanged_at": [s for s in range(1, 11) if weights_equal(rec.weights[s - 1], rec.weights[s])],
+        "restored_to_start": weights_equal(rec.weights[8], rec.weights[0]),
+        "finite": all_finite(rec.weights[10]),
         "events": [{k: v for k, v in e.items() if k != "time"} for g in guards for e in g.events],
     }
-    torch.save(rec.weights[8], Path(out, f"rank{rank}.pt"))
+    torch.save(rec.weights[10], Path(out, f"rank{rank}.pt"))
     Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))
     shutdown()  # leave together: a gloo rank whose peer already exited can abort at interpreter shutdown
     # Results are on disk. Skip interpreter finalisation: torch's gloo teardown at exit sometimes aborts

@@ -1,0 +1,121 @@
+"""Before a rollback: are the *weights* damaged, or is the *data* bad? A counterfactual probe of the step's batch.
+
+K bad steps in a window have two very different causes. Damaged weights (an LR too high, a divergence under way):
+the same batch is fine at the snapshot's weights, and restoring them (with a lower LR) is the cure. Bad data (a
+run of garbage or corrupted batches, a transient fault): the batch is as bad at the snapshot's weights, or the
+fault does not even reproduce; every bad step was skipped, so nothing was damaged, and a rollback would only
+throw away the good steps since the snapshot and lower the LR.
+
+The probe re-runs the step's micro-batches (captured by `StepTap`, no copies) twice - at the current weights and
+at the snapshot's - with `torch.autograd.grad` (`.grad` untouched), under a forked RNG. The re-run at the current
+weights calibrates the scale (loss and gradient as the Trainer saw them, whatever its accumulation and rank
+averaging), and the snapshot's numbers, on that scale, are judged by the skip guard's own rules with its current
+references: would this step have been skipped at the snapshot's weights?
+
+* the real step was non-finite: damaged if the re-run at the current weights is non-finite too and the one at
+  the snapshot's is finite; a clean re-run means a transient fault (nothing to undo);
+* the real step was a spike or a rise: damaged if the snapshot's numbers pass every skip rule.
+
+Sums are all-reduced, so every rank reaches the same verdict. Cost: two forward/backward passes of one step,
+only when a rollback is about to happen; the current trainable weights are copied to CPU meanwhile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hf_stable.callbacks.step_tap import StepTap, _loss_of
+from hf_stable.distributed import world_size
+
+
+@dataclass
+class Probe:
+    """Gradient L2 norm and summed loss of the step's batch at one set of weights (all ranks summed)."""
+
+    grad_norm: float
+    loss: float
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.grad_norm) and math.isfinite(self.loss)
+
+    def __str__(self) -> str:
+        return f"grad norm {self.grad_norm:.4g}, loss {self.loss:.4g}"
+
+
+def _local_probe(model, params: list[torch.Tensor], tap: StepTap) -> torch.Tensor | None:
+    """[sum of squared gradient norms, summed loss] on this rank, or None when the batch cannot be re-run."""
+    grads: list[torch.Tensor] | None = None
+    loss_sum = None
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with tap.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
+        for call_args, call_kwargs in tap.inputs:
+            loss = _loss_of(model(*call_args, **call_kwargs))
+            if loss is None:
+                return None
+            step_grads = torch.autograd.grad(loss, params, allow_unused=True)
+            step_grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(step_grads, params)]
+            grads = step_grads if grads is None else [a + b for a, b in zip(grads, step_grads)]
+            loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+    if grads is None:
+        return None
+    norms = torch.stack([n.to(loss_sum.device) for n in torch._foreach_norm(grads, 2.0, dtype=torch.float32)])
+    return torch.stack([norms.square().sum(), loss_sum.reshape(())])
+
+
+def probe_snapshot(model, params: list[torch.Tensor], saved: list[torch.Tensor]) -> tuple[Probe, Probe] | None:
+    """(probe at the current weights, probe at `saved`), the live weights unchanged afterwards; None when the step
+    cannot be re-run on some rank (no captured batch, no loss, an error) - then nobody trusts a verdict."""
+    tap = StepTap.shared(model)
+    device = params[0].device if params else torch.device("cpu")
+    results: list[torch.Tensor] = []
+    ok = bool(tap.attached and tap.inputs)
+    if ok:
+        current = [p.detach().to("cpu", copy=True) for p in params]
+        try:
+            for weights in (None, saved):
+                if weights is not None:
+                    with torch.no_grad():
+                        for p, w in zip(params, weights):
+                            p.copy_(w)
+                local = _local_probe(model, params, tap)
+                if local is None:
+                    ok = False
+                    break
+                results.append(local.to(device))
+        except RuntimeError:  # e.g. out of memory: fall back to rolling back, as without the check
+            ok = False
+        finally:
+            with torch.no_grad():
+                for p, w in zip(params, current):
+                    p.copy_(w)
+    packed = torch.zeros(5, dtype=torch.float32, device=device)
+    if ok:
+        packed[:4] = torch.cat(results)
+    packed[4] = float(not ok)
+    if world_size() > 1:
+        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM)
+    values = packed.tolist()
+    if values[4]:
+        return None
+    return Probe(math.sqrt(values[0]), values[1]), Probe(math.sqrt(values[2]), values[3])
+
+
+def weights_damaged(real_norm: float, real_loss: float, now: Probe, snap: Probe, judge) -> bool | None:
+    """The verdict for a step the skip guard judged bad with (`real_norm`, `real_loss`): True = the weights are
+    damaged (roll back), False = the data is (skip only), None = cannot tell (roll back, as without the check).
+    `judge(grad_norm, loss)` returns the skip guard's flags for a step with those numbers (no state change)."""
+    if not now.finite:  # the batch reproduces a non-finite result at the current weights
+        return snap.finite
+    if not (math.isfinite(real_norm) and math.isfinite(real_loss)):
+        return False  # non-finite in the step, finite on the re-run: a transient fault, nothing to undo
+    if not snap.finite:
+        return False
+    if now.grad_norm <= 0 or now.loss == 0:
+        return None
+    grad_norm = snap.grad_norm * real_norm / now.grad_norm  # on the scale the Trainer (and the skip guard) saw
+    loss = snap.loss * real_loss / now.loss
+    return not any(judge(grad_norm, loss))
