@@ -88,3 +88,18 @@ def step_was_skipped(optimizer) -> bool | None:
     if hasattr(optimizer, "step_was_skipped"):
         return bool(optimizer.step_was_skipped)
     return bool(_inner(optimizer).overflow)
+
+
+def training_autocast(args, device):
+    """The autocast the Trainer's forward runs under (accelerate's mixed precision), so a re-run of a training
+    batch (non-finite locator, rollback check) sees the same numerics: bf16 on CUDA or CPU, fp16 on CUDA only (on
+    CPU `fp16: true` trains in fp32, see above). A null context otherwise."""
+    import contextlib
+
+    import torch
+
+    if getattr(args, "bf16", False) and device.type in ("cuda", "cpu"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if getattr(args, "fp16", False) and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.float16)
+    return contextlib.nullcontext()

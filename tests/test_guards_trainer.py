@@ -128,7 +128,8 @@ def test_k_bad_steps_roll_back_bitwise_and_halve_the_lr(tmp_path, storage):
     assert (Path(tmp_path) / "hf_stable_rollback" / "rank0.pt").is_file() == (storage == "disk")
 
 
-def test_bad_data_is_skipped_without_a_rollback_bad_weights_are_rolled_back(tmp_path):
+@pytest.mark.parametrize("bf16", [False, True])  # bf16: the probe re-runs under the Trainer's CPU autocast
+def test_bad_data_is_skipped_without_a_rollback_bad_weights_are_rolled_back(tmp_path, bf16):
     def guards_for(model):
         skip, lr = SkipGuard(), LRControl()
         return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4), ClipGuard(skip_guard=skip),
@@ -136,14 +137,14 @@ def test_bad_data_is_skipped_without_a_rollback_bad_weights_are_rolled_back(tmp_
 
     # NaN loss at 8 and 9 (bad data): the probe finds step 9's batch fine at the current weights too - nothing
     # was damaged (8 and 9 were skipped), so the good steps since the snapshot (step 7) are kept, LR unchanged
-    _, rec, guards = _run(tmp_path / "data", guards_for, faults=[8, 9], max_steps=11)
+    _, rec, guards = _run(tmp_path / "data", guards_for, faults=[8, 9], max_steps=11, bf16=bf16)
     (declined,) = [e for e in read_events(tmp_path / "data") if e["kind"].startswith("rollback")]
     assert declined["kind"] == "rollback_declined" and declined["step"] == 9 and declined["value"] == 6
     assert _guard(guards, RollbackGuard).rollbacks == 0 and _guard(guards, LRControl).product == 1.0
     assert weights_equal(rec.weights[9], rec.weights[7]) and not weights_equal(rec.weights[7], rec.weights[6])
     assert not weights_equal(rec.weights[10], rec.weights[9])  # training goes on from step 7's weights
     # the same two bad steps caused by damaged weights: the batch is fine at the snapshot's -> rolled back
-    _, rec, guards = _run(tmp_path / "weights", guards_for, damage=[7], max_steps=11)
+    _, rec, guards = _run(tmp_path / "weights", guards_for, damage=[7], max_steps=11, bf16=bf16)
     assert _guard(guards, RollbackGuard).rollbacks == 1 and weights_equal(rec.weights[9], rec.weights[6])
     (event,) = [e for e in read_events(tmp_path / "weights") if e["kind"].startswith("rollback")]
     assert event["kind"] == "rollback" and event["check"] == "damaged weights"

@@ -31,6 +31,7 @@ from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training, world
 from hf_stable.callbacks.step_tap import StepTap, StepTapUser, _loss_of
 from hf_stable.logging import get_logger
 from hf_stable.optim.roles import classify
+from hf_stable.precision import training_autocast
 
 logger = get_logger(__name__)
 _OP_RE = re.compile(r"Function '(\w+)' returned nan")
@@ -140,7 +141,7 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         with tap.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
             for call_args, call_kwargs in tap.inputs:
                 try:
-                    with warnings.catch_warnings():
+                    with warnings.catch_warnings(), training_autocast(args, bad.device):
                         warnings.simplefilter("ignore")
                         grads, op_here = self._grads_once(model, params, call_args, call_kwargs)
                 except RuntimeError as e:  # a re-run that fails (e.g. OOM) must not kill training

@@ -256,7 +256,7 @@ class RollbackGuard(StabilityCallback):
             return
         checked = "not checked"
         if self.verify and self.storage == "memory" and model is not None and self._snapshot is not None:
-            probes = probe_snapshot(model, _params(unwrap_optimizer(optimizer)), self._snapshot["params"])
+            probes = probe_snapshot(model, _params(unwrap_optimizer(optimizer)), self._snapshot["params"], args)
             damaged = None if probes is None else weights_damaged(
                 verdict.grad_norm, verdict.loss, *probes, judge=self.skip_guard.local_flags)
             if damaged is False:

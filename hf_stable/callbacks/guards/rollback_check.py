@@ -7,7 +7,8 @@ fault does not even reproduce; every bad step was skipped, so nothing was damage
 throw away the good steps since the snapshot and lower the LR.
 
 The probe re-runs the step's micro-batches (captured by `StepTap`, no copies) twice - at the current weights and
-at the snapshot's - with `torch.autograd.grad` (`.grad` untouched), under a forked RNG. The re-run at the current
+at the snapshot's - with `torch.autograd.grad` (`.grad` untouched), under a forked RNG and the Trainer's
+autocast. The re-run at the current
 weights calibrates the scale (loss and gradient as the Trainer saw them, whatever its accumulation and rank
 averaging), and the snapshot's numbers, on that scale, are judged by the skip guard's own rules with its current
 references: would this step have been skipped at the snapshot's weights?
@@ -29,6 +30,7 @@ import torch
 
 from hf_stable.callbacks.step_tap import StepTap, _loss_of
 from hf_stable.distributed import world_size
+from hf_stable.precision import training_autocast
 
 
 @dataclass
@@ -46,14 +48,16 @@ class Probe:
         return f"grad norm {self.grad_norm:.4g}, loss {self.loss:.4g}"
 
 
-def _local_probe(model, params: list[torch.Tensor], tap: StepTap) -> torch.Tensor | None:
+def _local_probe(model, params: list[torch.Tensor], tap: StepTap, args) -> torch.Tensor | None:
     """[sum of squared gradient norms, summed loss] on this rank, or None when the batch cannot be re-run."""
     grads: list[torch.Tensor] | None = None
     loss_sum = None
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    device = params[0].device if params else torch.device("cpu")
     with tap.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
         for call_args, call_kwargs in tap.inputs:
-            loss = _loss_of(model(*call_args, **call_kwargs))
+            with training_autocast(args, device):
+                loss = _loss_of(model(*call_args, **call_kwargs))
             if loss is None:
                 return None
             step_grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -66,7 +70,9 @@ def _local_probe(model, params: list[torch.Tensor], tap: StepTap) -> torch.Tenso
     return torch.stack([norms.square().sum(), loss_sum.reshape(())])
 
 
-def probe_snapshot(model, params: list[torch.Tensor], saved: list[torch.Tensor]) -> tuple[Probe, Probe] | None:
+def probe_snapshot(
+    model, params: list[torch.Tensor], saved: list[torch.Tensor], args=None
+) -> tuple[Probe, Probe] | None:
     """(probe at the current weights, probe at `saved`), the live weights unchanged afterwards; None when the step
     cannot be re-run on some rank (no captured batch, no loss, an error) - then nobody trusts a verdict."""
     tap = StepTap.shared(model)
@@ -81,7 +87,7 @@ def probe_snapshot(model, params: list[torch.Tensor], saved: list[torch.Tensor])
                     with torch.no_grad():
                         for p, w in zip(params, weights):
                             p.copy_(w)
-                local = _local_probe(model, params, tap)
+                local = _local_probe(model, params, tap, args)
                 if local is None:
                     ok = False
                     break
