@@ -7,8 +7,11 @@ What it checks (bf16 throughout):
      flash-attn 2), on a right-padded batch and on a packed batch (position_ids restarting + cu_seq_lens):
      losses, logits and gradients must agree within bf16 tolerance; peak memory of each;
   2. flash-attn's native soft-cap against the explicit fp32 path;
-  3. the benchmark ratios (`benchmarks/attention.py`) on the GPU.
-Without CUDA or flash-attn it prints why, then "skipped", and exits 0. Exit 1 when a check fails.
+  3. the benchmark ratios (`benchmarks/attention.py`) on the GPU;
+  4. the monitor benchmark (`benchmarks/monitor_overhead.py --device cuda`): `monitor_overhead=` and
+     `naive_vs_ours=` where each naive `.item()` really stalls the stream (runs without flash-attn too).
+Without CUDA it prints why, then "skipped", and exits 0; without flash-attn only check 4 runs. Exit 1 when a check
+fails.
 """
 
 from __future__ import annotations
@@ -186,6 +189,25 @@ def softcap_check(report: Report, torch) -> None:
     )
 
 
+def monitor_benchmark() -> None:
+    """Check 4: the monitor cost on the GPU (about a minute), its summary lines printed as they come."""
+    import contextlib
+    import io
+
+    spec = importlib.util.spec_from_file_location("bench_monitors", REPO / "benchmarks" / "monitor_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    out = io.StringIO()
+    try:
+        spec.loader.exec_module(bench)
+        with contextlib.redirect_stdout(out):
+            bench.main(["--rounds", "3", "--device", "cuda"])
+    except Exception as e:  # a benchmark failure must not hide the attention checks
+        print(f"monitor benchmark: failed ({type(e).__name__}: {e})", flush=True)
+    for line in out.getvalue().splitlines():
+        if not line.startswith("ratio:"):
+            print(f"monitor benchmark: {line}", flush=True)
+
+
 def main() -> int:
     try:
         import torch
@@ -193,12 +215,13 @@ def main() -> int:
         return skip("torch is not installed")
     if not torch.cuda.is_available():
         return skip("no CUDA device visible (torch.cuda.is_available() is False)")
+    sys.path.insert(0, str(REPO))
+    monitor_benchmark()
     try:
         import flash_attn
     except ImportError as e:
         return skip(f'flash-attn is not importable ({e}); install it with: pip install "hf-stable[flash]"')
 
-    sys.path.insert(0, str(REPO))
     from hf_stable.attention import AttentionSettings, register
 
     register(AttentionSettings())
