@@ -28,10 +28,9 @@ import torch
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training, world_size
-from hf_stable.callbacks.step_tap import StepTap, StepTapUser, _loss_of
+from hf_stable.callbacks.step_tap import StepTap, StepTapUser, batch_gradients
 from hf_stable.logging import get_logger
 from hf_stable.optim.roles import classify
-from hf_stable.precision import training_autocast
 
 logger = get_logger(__name__)
 _OP_RE = re.compile(r"Function '(\w+)' returned nan")
@@ -137,13 +136,12 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         bad = torch.zeros(len(params) + 1, dtype=torch.float32, device=dev.param_norms.device)
         bad[-1] = float(not tap.inputs)
         op = None
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with tap.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with tap.replaying():
             for call_args, call_kwargs in tap.inputs:
                 try:
-                    with warnings.catch_warnings(), training_autocast(args, bad.device):
+                    with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        grads, op_here = self._grads_once(model, params, call_args, call_kwargs)
+                        grads, op_here = self._grads_once(model, params, call_args, call_kwargs, args)
                 except RuntimeError as e:  # a re-run that fails (e.g. OOM) must not kill training
                     logger.warning("non-finite locator: re-run failed (%s); naming from gradients only", e)
                     grads, op_here = None, None
@@ -164,27 +162,19 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
                               "error, a race, a non-deterministic op, or a fault injected into that one step)")
         return names, op, "named them"
 
-    def _grads_once(self, model, params, call_args, call_kwargs):
+    def _grads_once(self, model, params, call_args, call_kwargs, args):
         """Gradients of one micro-batch (and, under detect_anomaly, the backward op that first made a NaN)."""
         op = None
         if self.detect_anomaly:
             try:
                 with torch.autograd.detect_anomaly(check_nan=True):
-                    return self._grads(model, params, call_args, call_kwargs), None
+                    return batch_gradients(model, params, call_args, call_kwargs, args)[1], None
             except RuntimeError as e:
                 match = _OP_RE.search(str(e))
                 if match is None:
                     raise
                 op = match.group(1)  # anomaly mode stopped at the first NaN; run again for every gradient
-        return self._grads(model, params, call_args, call_kwargs), op
-
-    @staticmethod
-    def _grads(model, params, call_args, call_kwargs):
-        loss = _loss_of(model(*call_args, **call_kwargs))
-        if loss is None:
-            return None
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        return [g if g is not None else torch.zeros((), device=loss.device) for g in grads]
+        return batch_gradients(model, params, call_args, call_kwargs, args)[1], op
 
     def _report(self, step: int, names: list[str], how: str, op: str | None, dev, suppressed: int) -> None:
         groups: dict[str, int] = {}

@@ -105,6 +105,14 @@ class StepTap:
         finally:
             self._paused = old
 
+    @contextlib.contextmanager
+    def replaying(self):
+        """Context for re-running the step's captured micro-batches (`self.inputs`): recording paused, the RNG
+        forked (the run's randomness unchanged), grad enabled (hooks run with it on or off)."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with self.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
+            yield
+
     def _recording(self, module) -> bool:
         return not self._paused and module.training and torch.is_grad_enabled()
 
@@ -151,6 +159,21 @@ class StepTap:
             zero = torch.zeros((), dtype=torch.float32, device=device)
             return {"loss_num": zero, "loss_den": zero}
         return {"loss_num": self._num, "loss_den": self._den.to(self._num.device)}
+
+
+def batch_gradients(model, params: list[torch.Tensor], call_args, call_kwargs, args=None):
+    """(loss, gradients of `params`) of one captured micro-batch, by `torch.autograd.grad` (`.grad` untouched),
+    the forward under the Trainer's autocast for `args`; unused parameters get zeros. (None, None) when the model
+    returns no loss. Use inside `StepTap.replaying()`."""
+    from hf_stable.precision import training_autocast
+
+    device = params[0].device if params else torch.device("cpu")
+    with training_autocast(args, device):
+        loss = _loss_of(model(*call_args, **call_kwargs))
+    if loss is None:
+        return None, None
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return loss, [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
 
 
 class StepTapUser:

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_stable.callbacks.step_tap import StepTap, _loss_of
+from hf_stable.callbacks.step_tap import StepTap, batch_gradients
 from hf_stable.distributed import world_size
-from hf_stable.precision import training_autocast
 
 
 @dataclass
@@ -52,16 +51,11 @@ def _local_probe(model, params: list[torch.Tensor], tap: StepTap, args) -> torch
     """[sum of squared gradient norms, summed loss] on this rank, or None when the batch cannot be re-run."""
     grads: list[torch.Tensor] | None = None
     loss_sum = None
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    device = params[0].device if params else torch.device("cpu")
-    with tap.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
+    with tap.replaying():
         for call_args, call_kwargs in tap.inputs:
-            with training_autocast(args, device):
-                loss = _loss_of(model(*call_args, **call_kwargs))
+            loss, step_grads = batch_gradients(model, params, call_args, call_kwargs, args)
             if loss is None:
                 return None
-            step_grads = torch.autograd.grad(loss, params, allow_unused=True)
-            step_grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(step_grads, params)]
             grads = step_grads if grads is None else [a + b for a, b in zip(grads, step_grads)]
             loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
     if grads is None:
