@@ -199,11 +199,19 @@ class ClipGuard(StabilityCallback):
         if not report.available or dev is None:
             return
         coefs = self.coefficients(report.group_norms, report.global_norm)
-        self._apply(dev, coefs)
-        if self.agc_lambda is not None:
-            self._agc(dev)
-        self.last_coefficients = coefs
         clipped = [g for g, c in coefs.items() if c < 1.0]
+        if clipped or self.agc_lambda is not None:
+            # our own edit: the step's statistics stay pre-clip (a later max |g| is divided by the group's factor;
+            # AGC's per-row factors are not undone)
+            scale = None
+            if clipped:
+                per_param = [coefs.get(dev.groups[gi], 1.0) for gi in dev.group_ids]
+                scale = torch.tensor(per_param, dtype=torch.float32, device=dev.param_norms.device)
+            with stats.edited(state.global_step, scale):
+                self._apply(dev, coefs)
+                if self.agc_lambda is not None:
+                    self._agc(dev)
+        self.last_coefficients = coefs
         self._clipped_steps += bool(clipped)
         after = math.sqrt(sum((coefs[g] * n) ** 2 for g, n in report.group_norms.items() if math.isfinite(n)))
         self.record({"clip/coef_min": min(coefs.values(), default=1.0), "clip/groups_clipped": float(len(clipped)),
