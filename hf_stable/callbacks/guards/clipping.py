@@ -108,6 +108,14 @@ class ClipGuard(StabilityCallback):
         self._stats = {g: [float(x) for x in v] for g, v in state.get("stats", {}).items()}
         self._clipped_steps = int(state.get("clipped_steps", 0))
 
+    def stats_state(self) -> dict:
+        """The adaptive statistics only (what a rollback restores with the weights)."""
+        return {"stats": {g: list(v) for g, v in self._stats.items()}}
+
+    def after_rollback(self, state: dict) -> None:
+        """Called by `RollbackGuard` after restoring weights: the statistics go back to the snapshot's."""
+        self._stats = {g: [float(x) for x in v] for g, v in state.get("stats", {}).items()}
+
     # --- decisions (pure, host numbers) -------------------------------------------------------------------
     def coefficients(self, group_norms: dict[str, float], global_norm: float) -> dict[str, float]:
         """Scale factor per group (1.0 = untouched) for this step; the adaptive statistics learn from it."""

@@ -34,6 +34,7 @@ acts long before that, restoring the weights and the references of its snapshot.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from collections.abc import Callable
@@ -228,18 +229,30 @@ class SkipGuard(StepTapUser, StabilityCallback):
     def after_rollback(self, snapshot_stats: dict) -> None:
         """Called by `RollbackGuard` after restoring weights, with the references saved in the snapshot.
 
-        References learned since the snapshot may include accepted steps of the very divergence being undone, so
-        they go back to the snapshot's. A snapshot taken before the guard was warm (the initial one) has none
-        worth restoring: then the loss-rise anchor (the lowest smoothed loss, which high values cannot move) is
-        kept, the trend and the grad-norm EMA restart from the next step, and the rules stay on.
+        The references go back to the snapshot's, whatever they were: they describe the restored weights. Those
+        learned since may include accepted steps of the very divergence being undone, and they describe a model
+        trained further: after a rollback to an early snapshot (whose loss is high by nature) they would call
+        every healthy step a loss rise. A snapshot taken before the guard was warm (the initial one) brings the
+        warm-up back: the next `warmup_steps` accepted steps re-learn the references (non-finite steps are still
+        skipped).
         """
-        if int(snapshot_stats.get("accepted", 0)) >= self.warmup_steps:
-            self.load_stats_state(snapshot_stats)
-            self._loss_fast = self._loss_mid
-        else:
-            self._loss_fast = None
-            self._norm_ema = None
+        self.load_stats_state(snapshot_stats)
+        self._loss_fast = self._loss_mid
         self._spike_streak = 0
+
+    def after_bad_data(self) -> None:
+        """Called by `RollbackGuard` when its check found the bad steps to be bad data (a declined rollback): the
+        loss trend those batches drove up restarts from the accepted steps' smoothed loss, so the healthy batches
+        after the burst are not judged a rise."""
+        self._loss_fast = self._loss_mid
+        self._spike_streak = 0
+
+    def judge_with(self, stats: dict) -> Callable[..., list[float]]:
+        """`local_flags` against other references (`stats_state()` of another time, e.g. a snapshot's), leaving
+        this guard's own untouched."""
+        other = copy.copy(self)
+        other.load_stats_state(stats)
+        return other.local_flags
 
     def learn(self, grad_norm: float, loss: float | None) -> None:
         """Update the references with an accepted step."""
