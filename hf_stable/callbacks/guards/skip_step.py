@@ -229,14 +229,19 @@ class SkipGuard(StepTapUser, StabilityCallback):
     def after_rollback(self, snapshot_stats: dict) -> None:
         """Called by `RollbackGuard` after restoring weights, with the references saved in the snapshot.
 
-        The references go back to the snapshot's, whatever they were: they describe the restored weights. Those
-        learned since may include accepted steps of the very divergence being undone, and they describe a model
-        trained further: after a rollback to an early snapshot (whose loss is high by nature) they would call
-        every healthy step a loss rise. A snapshot taken before the guard was warm (the initial one) brings the
-        warm-up back: the next `warmup_steps` accepted steps re-learn the references (non-finite steps are still
-        skipped).
+        The references learned since the snapshot describe the run being undone - a model trained further, and
+        perhaps accepted steps of the very divergence: after a rollback to an early snapshot (whose loss is high
+        by nature) its loss-rise anchor called every healthy step a rise. So a warm snapshot's references come
+        back; a snapshot taken before the guard was warm (the initial one) has none worth restoring, and the
+        references restart from the next accepted step with the rules still on (a re-divergence at the lowered LR
+        is caught from the second step on, not after a new warm-up).
         """
-        self.load_stats_state(snapshot_stats)
+        if int(snapshot_stats.get("accepted", 0)) >= self.warmup_steps:
+            self.load_stats_state(snapshot_stats)
+        else:
+            self._norm_ema = self._loss_mid = None
+            self._losses = deque(maxlen=self.window)
+            self._mid_hist = deque(maxlen=self.window)
         self._loss_fast = self._loss_mid
         self._spike_streak = 0
 
