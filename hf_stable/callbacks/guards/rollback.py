@@ -7,7 +7,8 @@ statistics): in CPU memory, or in `<output_dir>/hf_stable_rollback/rank<r>.pt` w
 at train start and then after every `interval` good steps (in `on_step_end`, after the update), postponed while
 the skip guard sees the loss rising (a snapshot must not capture a divergence in progress). Restoring puts the
 weights, the optimizer state and those references back, so the guards judge the restored run by what was normal
-at the snapshot, not by the run being undone. The LR factor `rollback` (see `LRControl`) is then multiplied by
+at the snapshot, not by the run being undone (the initial snapshot has no references: they restart from the next
+accepted step, see `SkipGuard.after_rollback`). The LR factor `rollback` (see `LRControl`) is then multiplied by
 `lr_backoff` and persists on top of the schedule.
 
 Fresh snapshots: the interval is `min(snapshot_every, max(snapshot_min_every, ceil(snapshot_share x step)))`
