@@ -48,6 +48,7 @@ from hf_stable.callbacks.step_tap import StepTapUser
 from hf_stable.distributed import sharded_training
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise")
+_KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
 _MID_BETA = 0.9  # the loss-rise reference: the lowest value of this EMA over the window (follows a fast descent)
 
 
@@ -125,7 +126,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self._accepted = 0
         self._losses: deque[float] = deque(maxlen=window)
         self._skipped_total = 0
-        self._skipped_steps: list[int] = []
+        self._skipped_steps: deque[int] = deque(maxlen=_KEEP_STEPS)  # bounded: a run may skip for days
         self._device = None
         self._off_reason: str | None = None
         self._listeners: list[Callable] = []
@@ -157,12 +158,12 @@ class SkipGuard(StepTapUser, StabilityCallback):
 
     def state_dict(self) -> dict:
         return {**self.stats_state(), "skipped_total": self._skipped_total,
-                "skipped_steps": self._skipped_steps[-200:]}
+                "skipped_steps": list(self._skipped_steps)[-200:]}
 
     def load_state_dict(self, state: dict) -> None:
         self.load_stats_state(state)
         self._skipped_total = int(state.get("skipped_total", 0))
-        self._skipped_steps = [int(s) for s in state.get("skipped_steps", [])]
+        self._skipped_steps = deque((int(s) for s in state.get("skipped_steps", [])), maxlen=_KEEP_STEPS)
 
     @property
     def skipped_steps(self) -> list[int]:

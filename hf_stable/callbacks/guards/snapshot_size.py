@@ -9,8 +9,9 @@ dtype (what torch and lion-pytorch allocate). Once the optimizer holds state (a 
 
 The budget is the host's available memory (`psutil`), times `share`, divided by the ranks on this host
 (`LOCAL_WORLD_SIZE`); the disk budget is the free space of the output directory, split the same way. The other
-buffers hf_stable keeps are small and bounded: captured micro-batches are references to the batch tensors of the
-current step (kept until the next step starts), and every per-step history is a bounded deque or a capped list.
+buffers hf_stable keeps are small: captured micro-batches are references to the batch tensors of the current step
+(kept until the next step starts, no copies), and the per-step histories (loss windows, trends) are bounded deques;
+what grows without bound is one entry per *event* (each callback's event list, the locator's non-finite steps).
 """
 
 from __future__ import annotations
