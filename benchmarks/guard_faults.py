@@ -165,7 +165,8 @@ def run(method: str, case: str, seed: int, steps: int, lr: float) -> dict:
     for e in skipped:
         for r in e.get("reasons", []):
             reasons[r] = reasons.get(r, 0) + 1
-    rollbacks = [(e["step"], e["value"]) for cb in callbacks for e in getattr(cb, "events", []) if e["kind"] == "rollback"]
+    events = [e for cb in callbacks for e in getattr(cb, "events", [])]
+    rollbacks = [(e["step"], e["value"]) for e in events if e["kind"] == "rollback"]
     undone = [step - snap for step, snap in rollbacks]
     return {"eval_loss": eval_loss, "faults": sorted(at), "skips": len(skipped), "reasons": reasons,
             "rollbacks": kinds.count("rollback"), "declined": kinds.count("rollback_declined"),

@@ -100,7 +100,7 @@ def test_a_snapshot_that_fits_nowhere_stops_the_run_before_the_first_step(tmp_pa
         trainer.train()
     text = str(err.value)
     assert "stability.guards.rollback.storage" in text and "stability.guards.rollback.enabled: false" in text
-    assert "lora.enabled: true" in text and "GiB" in text
+    assert "lora.enabled: true" in text and "MiB" in text
     assert trainer.state.global_step == 0
     assert all(torch.equal(v, before[k]) for k, v in model.named_parameters() if v.requires_grad)
 
@@ -111,7 +111,8 @@ def test_doctor_reports_the_snapshot_sizes(tmp_path, monkeypatch):
     # the LoRA estimate from a weight-free model equals peft's own count
     cfg = load_config(DEFAULT_CONFIG, ["--training.output_dir", str(tmp_path)])
     base = tiny_lora_llama(lora=False)
-    lora = get_peft_model(tiny_lora_llama(lora=False), LoraConfig(r=cfg.lora.r, target_modules=cfg.lora.target_modules))
+    lora = get_peft_model(tiny_lora_llama(lora=False),
+                          LoraConfig(r=cfg.lora.r, target_modules=cfg.lora.target_modules))
     assert _lora_numel(base, cfg.lora) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
     # a full fine-tune: plenty of memory -> info with the numbers; short memory -> disk (warning); nowhere -> error
     full = load_config(DEFAULT_CONFIG, ["--training.output_dir", str(tmp_path), "--lora.enabled", "false"])

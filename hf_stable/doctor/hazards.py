@@ -225,7 +225,7 @@ def check_checkpointing(s: TrainingSettings) -> list[Finding]:
 def check_host_buffers(cfg, s: TrainingSettings, facts: ModelFacts | None) -> list[Finding]:
     """Sizes of the buffers that grow with the trainable parameters: the rollback snapshot (weights + optimizer
     state, host memory or disk) and the update monitor's device copy of the weights."""
-    from hf_stable.callbacks.guards.snapshot_size import GIB, estimate_size, plan_storage
+    from hf_stable.callbacks.guards.snapshot_size import estimate_size, human, plan_storage
 
     guards = cfg.stability.guards
     if facts is None or not facts.trainable_numel:
@@ -235,7 +235,7 @@ def check_host_buffers(cfg, s: TrainingSettings, facts: ModelFacts | None) -> li
     size = max((estimate_size(facts.trainable_numel, round(per), name) for name in phases), key=lambda x: x.state)
     update = cfg.stability.monitors.update
     extra = (f"; the update monitor copies the trainable weights on the device every {update.every_n_steps} steps "
-             f"({size.params / GIB:.3g} GiB)" if cfg.stability.monitors.enabled and update.enabled else "")
+             f"({human(size.params)})" if cfg.stability.monitors.enabled and update.enabled else "")
     evidence = f"{facts.trainable_numel:,} trainable parameters; {size.describe()}{extra}"
     if not (guards.enabled and guards.skip.enabled and guards.rollback.enabled):
         return [_f("info", "host_buffers", "rollback snapshots are off", evidence)]
@@ -248,7 +248,7 @@ def check_host_buffers(cfg, s: TrainingSettings, facts: ModelFacts | None) -> li
     if plan.note:
         return [_f("warning", "host_buffers", f"rollback snapshots will go to {plan.storage}: too large for host "
                    "memory", plan.note, "set stability.guards.rollback.storage: disk (or train LoRA)")]  # fmt: skip
-    return [_f("info", "host_buffers", f"rollback snapshots ({size.snapshot / GIB:.3g} GiB) fit "
+    return [_f("info", "host_buffers", f"rollback snapshots ({human(size.snapshot)}) fit "
                f"(storage: {plan.storage})", evidence)]  # fmt: skip
 
 
