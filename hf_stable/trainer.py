@@ -10,6 +10,9 @@ methods behind that (`_clip_grad_norm`, `_get_grad_norm`) so that:
 * with `max_grad_norm > 0` it clips with the same global coefficient as torch's `clip_grad_norm_`
   (`max_norm / (norm + 1e-6)`, at most 1), *after* the statistics are taken, so the monitors report pre-clip
   numbers (a later max |g| read is rescaled by the recorded coefficient);
+* the statistics are taken here, before the `on_pre_optimizer_step` callbacks. A callback that changes a
+  gradient afterwards (gradient surgery, a fault injector) invalidates them (`GradStats` checks each gradient's
+  version counter), so the guards judge the gradients the optimizer applies, not the ones seen here;
 * a non-finite norm leaves the gradients as they are. The stock clip multiplies every gradient by
   `max_norm / NaN` = NaN, which hides which parameter went bad (the non-finite locator then needs a re-run);
   the skip guard drops such a step either way, and without guards the run is broken either way.
@@ -73,9 +76,9 @@ class StableTrainer(Trainer):
             for p in dev.params:
                 if p.grad is not None:
                     by_device.setdefault(p.grad.device, []).append(p.grad)
-            for device, grads in by_device.items():
-                torch._foreach_mul_(grads, coef.to(device))
-            stats.note_scaled(self.state.global_step, coef)
+            with stats.edited(self.state.global_step, coef):  # our own clip: the statistics stay pre-clip
+                for device, grads in by_device.items():
+                    torch._foreach_mul_(grads, coef.to(device))
         return dev.global_norm
 
     def _clip_grad_norm(self, model):

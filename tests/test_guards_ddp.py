@@ -1,4 +1,5 @@
-"""Two real DDP ranks on CPU (gloo): a NaN on one rank only makes both ranks skip, weights stay identical, no hang."""
+"""Two real DDP ranks on CPU (gloo): a NaN on one rank only makes both ranks skip, weights stay identical, no hang;
+with the stock Trainer and with `StableTrainer`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ SCRIPT = Path(__file__).parent / "dist_scripts" / "guards_ddp.py"
 @pytest.mark.timeout(240)
 def test_nan_on_one_rank_skips_on_both_and_weights_stay_identical(tmp_path):
     torchrun_two_ranks(SCRIPT, str(tmp_path), timeout=200, env={"GUARDS_DDP_TIMEOUT": "150"})
+    for out in (tmp_path, tmp_path / "stable"):  # stock Trainer, then StableTrainer (statistics before the edit)
+        _check(out)
+
+
+def _check(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert ranks[0]["world_size"] == 2
     for r in ranks:

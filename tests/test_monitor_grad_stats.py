@@ -113,9 +113,10 @@ def test_one_host_transfer_and_per_step_cache(tokenizer):
     assert report.max_param_norm == pytest.approx(max(per_tensor.values()), rel=1e-5)
     assert report.max_norm_param == max(per_tensor, key=per_tensor.get)
     assert 0 < report.max_abs <= report.max_param_norm and report.metrics()["grad/max_abs"] == report.max_abs
-    # a guard clipping in place after the first computation does not change what later readers get
+    # a guard clipping in place (inside `edited`) after the first computation does not change what later readers get
     before = report.global_norm
-    torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], 0.01)
+    with stats.edited(7, torch.tensor(0.01)):
+        torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], 0.01)
     assert stats.compute(model, step=7) is report and stats.compute(model, step=7).global_norm == before
     dev = stats.device_stats(model, step=7)
     assert dev.group_norms.shape == (len(dev.groups),) and dev.global_norm.item() == pytest.approx(before, rel=1e-6)
@@ -158,3 +159,39 @@ def test_a_skip_after_the_first_reader_keeps_the_step_report(tokenizer):
     assert later is first and later.available and not later.has_max_abs
     assert stats.device_stats(model, step=3).global_norm.item() == pytest.approx(first.global_norm)
     assert not stats.compute(model, step=4).available  # the next step has no gradients at all
+
+
+def test_a_gradient_edited_after_the_statistics_is_seen_by_the_next_reader(tokenizer):
+    """What the guards judge must be what the optimizer applies: an edit by someone else (a user's callback, a
+    fault) after the first computation invalidates the cache; the step's extras are not summed over ranks again."""
+    model = make_tiny_model("llama", tokenizer)
+    _backward(model)
+    stats = GradStats.shared(model)
+    calls = []
+    stats.add_source("test", lambda: calls.append(1) or {"x": torch.tensor(2.5)})
+    stats.begin_step()
+    first = stats.compute(model, step=5)
+    # our own clip by 0.1 (recorded), then a foreign x1e4 spike of every gradient: the next reader sees the spike,
+    # on the pre-clip scale of the first report
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    with stats.edited(5, torch.tensor(0.1)):
+        torch._foreach_mul_(grads, 0.1)
+    assert stats.compute(model, step=5) is first
+    torch._foreach_mul_(grads, 1e4)
+    spiked = stats.compute(model, step=5)
+    assert spiked is not first and spiked.global_norm == pytest.approx(first.global_norm * 1e4, rel=1e-4)
+    assert spiked.extras == {"x": 2.5} and len(calls) == 1  # the extras were reused, not re-reduced
+    # a NaN written through a view of one gradient, and a gradient replaced by a new tensor
+    model.model.layers[1].mlp.up_proj.weight.grad.view(-1)[3] = float("nan")
+    assert stats.compute(model, step=5).nonfinite_total == 1
+    model.lm_head.weight.grad = torch.full_like(model.lm_head.weight, float("inf"))
+    assert stats.compute(model, step=5).nonfinite == {**{g: 0 for g in first.nonfinite}, "layer_1": 1, "lm_head": 1}
+    # unchanged gradients keep the cached report; a skip (every gradient dropped) keeps it too
+    last = stats.compute(model, step=5)
+    assert stats.compute(model, step=5) is last
+    model.zero_grad(set_to_none=True)
+    assert stats.compute(model, step=5) is last
+    # a new step transfers its extras anew
+    stats.begin_step()
+    _backward(model, seed=2)
+    assert stats.compute(model, step=6).available and len(calls) == 2

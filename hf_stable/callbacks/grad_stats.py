@@ -7,9 +7,13 @@ where, non-finite tensors per group, plus on-device scalars other monitors attac
 packed into one tensor and moved to the host with a single `.tolist()`.
 
 One computation per step is shared by monitors and guards: `GradStats.shared(model)` returns the same object for
-the same model, and results are cached per step (keyed by the step number and the identity of the gradient
-tensors). The *first* computation of a step wins, so a guard that clips or zeroes gradients after asking for the
-statistics does not change what the monitors report: they see pre-modification numbers.
+the same model, and results are cached per step, keyed by the step number and a fingerprint of the gradients: each
+gradient tensor's identity and version counter (`Tensor._version`, bumped by every in-place op). A gradient changed
+after the statistics were taken - by a user's callback, gradient surgery, a fault - changes the fingerprint, so the
+next reader gets statistics of the gradients the optimizer will apply (on the same pre-clip scale). hf_stable's own
+edits (`StableTrainer`'s clip, `ClipGuard`) run inside `edited()`, which keeps the cached pre-edit numbers: the
+monitors report pre-clip statistics. Dropping every gradient (a skip) keeps the step's report too. Not seen: writes
+through `p.grad.data`, which bypass the version counter. Cost of a check: two attribute reads per tensor.
 
 When to call it (Trainer): in `on_pre_optimizer_step`, with `step=state.global_step`. There the gradients are
 accumulated, all-reduced (DDP) and unscaled (fp16). With `TrainingArguments.max_grad_norm > 0` they are also
@@ -22,7 +26,9 @@ gradient is non-finite, so by this hook *every* gradient is NaN. Counts per grou
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
 import weakref
 from collections.abc import Callable
 
@@ -35,6 +41,14 @@ from hf_stable.optim.roles import group_parameters
 __all__ = ["DeviceGradStats", "GradReport", "GradStats"]
 
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _gone():
+    """Stands in for the weak reference of a missing gradient (calling it gives None)."""
+
+
+def _versions(grads: list) -> list[int]:
+    return [-1 if g is None else g._version for g in grads]
 
 
 def _device_runs(devices: list) -> list[tuple[int, int]]:
@@ -75,6 +89,8 @@ class GradStats:
         self._dev: DeviceGradStats | None = None
         self._host_key = None
         self._host: GradReport | None = None
+        self._seen: tuple[list, list[int]] | None = None  # (weak refs, versions) of every gradient when computed
+        self._step_extras: tuple | None = None  # (step, keys, values) of this step's summed extras
         # True when the Trainer takes these statistics before its own clip (`StableTrainer`): pre-clip numbers
         # even with `max_grad_norm > 0`.
         self.pre_clip = False
@@ -96,14 +112,25 @@ class GradStats:
 
     def invalidate(self) -> None:
         """Forget the cached result (the next call computes again)."""
-        self._dev_key = self._dev = self._host_key = self._host = None
+        self._dev_key = self._dev = self._host_key = self._host = self._seen = None
 
-    def note_scaled(self, step: int, scale: torch.Tensor) -> None:
-        """Record that the step's gradients were multiplied by `scale` (device scalar) after the statistics were
-        taken, so a max |g| read later still reports the pre-scaling value (the norms are cached pre-scaling)."""
-        if self._dev is not None and self._hit(self._dev_key, step):
+    def begin_step(self) -> None:
+        """A new optimizer step starts (called by `StepTap.begin_step`): the step's extras are transferred anew."""
+        self._step_extras = None
+
+    @contextlib.contextmanager
+    def edited(self, step: int, scale: torch.Tensor | None = None):
+        """Context for hf_stable's own in-place edit of the step's gradients (a clip): the cached statistics stay
+        the step's (pre-edit) numbers instead of being recomputed. `scale` (a device scalar, or one factor per
+        entry of `device_stats().params`) is what the gradients were multiplied by: a max |g| read later, or a
+        recomputation after a foreign edit, is divided by it, so readers stay on the pre-clip scale."""
+        valid = self._dev is not None and self._hit(self._dev_key, step)
+        yield
+        if valid:
             dev = self._dev
-            dev.scale = scale if dev.scale is None else dev.scale * scale
+            if scale is not None:
+                dev.scale = scale if dev.scale is None else dev.scale * scale
+            self._seen = self._fingerprint([p.grad for p in self._params])
 
     @property
     def group_names(self) -> list[str]:
@@ -141,34 +168,50 @@ class GradStats:
 
     # --- on-device statistics -------------------------------------------------------------------
     def _present(self):
-        """(entries, grads) of the parameters that have a gradient now."""
+        """(entries, grads) of the parameters that have a gradient now, and every parameter's gradient."""
         entries = self._ensure_entries()
         grads = [p.grad for p in self._params]
         if any(g is None for g in grads):
             present = [e for e, g in zip(entries, grads) if g is not None]
-            return present, [g for g in grads if g is not None]
-        return entries, grads
+            return present, [g for g in grads if g is not None], grads
+        return entries, grads, grads
 
-    def _key(self, step, present, grads):
-        """What identifies the step's gradients: the step label plus the first gradient tensor (weakly held)."""
-        if step is None:
-            return None
-        if not grads:
-            return (step, None, None)
-        return (step, present[0][1], weakref.ref(grads[0]))
+    @staticmethod
+    def _fingerprint(grads: list) -> tuple[list, list[int]]:
+        return [_gone if g is None else weakref.ref(g) for g in grads], _versions(grads)
+
+    @staticmethod
+    def _key(step):
+        """A new key per computation: the step label plus a token, so a recomputation invalidates the host report."""
+        return None if step is None else (step, object())
 
     def _hit(self, key, step) -> bool:
-        """Same step label and the same gradient objects (or gradients dropped since: a skip in this step).
+        """Same step label and the same gradients: every tensor the same object at the same version, or every
+        gradient dropped since (a skip in this step).
 
-        A new run restarting the step count, or `zero_grad(set_to_none=False)` reuse across steps, both miss:
-        new gradient tensors, or a different step label. Cost O(1), so every reader of a step can ask freely.
+        A gradient edited in place or replaced since, a new run restarting the step count, or
+        `zero_grad(set_to_none=False)` reuse across steps all miss. Cost: two attribute reads per tensor.
         """
-        if key is None or step is None or key[0] != step:
+        if key is None or step is None or key[0] != step or self._seen is None:
             return False
-        if key[1] is None:
-            return all(p.grad is None for _, p, _ in self._ensure_entries())
-        current = key[1].grad
-        return current is None or current is key[2]()
+        grads = [p.grad for p in self._params]
+        refs, versions = self._seen
+        if _versions(grads) == versions and all(map(operator.is_, grads, [r() for r in refs])):
+            return True
+        return all(g is None for g in grads)
+
+    def _carried_scale(self, step, grads: list, present) -> torch.Tensor | None:
+        """The clip scale of this step's previous computation when the gradients were edited in place since (same
+        tensors, new versions), so the recomputed numbers stay on the pre-clip scale; None otherwise."""
+        dev = self._dev
+        if dev is None or dev.scale is None or self._dev_key is None or self._dev_key[0] != step:
+            return None
+        refs, _ = self._seen
+        if len(refs) != len(grads) or not all(map(operator.is_, grads, [r() for r in refs])):
+            return None
+        if dev.scale.dim() == 0 or (present is self._entries and dev.scale.numel() == len(self._params)):
+            return dev.scale
+        return None
 
     def _group_index(self, idx: tuple[int, ...], device) -> torch.Tensor:
         key = (idx, str(device))
@@ -184,11 +227,14 @@ class GradStats:
         """Statistics as device tensors, computed once per step; None when no parameter has a gradient."""
         if model is not None and (self._model_ref is None or self._model_ref() is not model):
             self._model_ref, self._entries = weakref.ref(model), None
+            self.invalidate()
         if self._hit(self._dev_key, step):
             return self._dev
-        present, grads = self._present()
+        present, grads, every = self._present()
+        carried = self._carried_scale(step, every, present) if self._seen is not None else None
+        self._seen = self._fingerprint(every)
         if not grads or type(grads[0]).__name__ == "DTensor" or type(grads[-1]).__name__ == "DTensor":
-            self._dev_key, self._dev = self._key(step, present, grads), None
+            self._dev_key, self._dev = self._key(step), None
             return None
         home = grads[0].device
         # One foreach call per device (entries are device-contiguous), results gathered on the first device.
@@ -196,6 +242,8 @@ class GradStats:
         runs = self._full_runs if present is self._entries else _device_runs([g.device for g in grads])
         l2 = [torch.stack(torch._foreach_norm(grads[a:b], 2.0, dtype=torch.float32)).to(home) for a, b in runs]
         param_norms = torch.cat(l2) if len(l2) > 1 else l2[0]
+        if carried is not None:
+            param_norms = param_norms / carried.to(home)
         if present is self._entries:  # the usual case: every trainable tensor has a gradient
             if self._full is None or self._full[3].device != home:
                 ids = [gi for _, _, gi in present]
@@ -218,11 +266,26 @@ class GradStats:
             nonfinite=sums[:, 1],
             global_norm=columns[:, 0].sum().sqrt(),
             group_ids=group_ids,
+            scale=carried,
         )
-        self._dev_key = self._key(step, present, grads)
+        self._dev_key = self._key(step)
         return self._dev
 
     # --- host report -----------------------------------------------------------------------------
+    def _extras_once(self, step, device) -> tuple[list[str], torch.Tensor | None, list[float] | None]:
+        """(keys, tensor to transfer, None) the first time in a step; (keys, None, values) when this step's extras
+        were summed over ranks already. A recomputation after a gradient edit on one rank must not enter the
+        all-reduce again: the other ranks would not (the extras, e.g. the loss, do not depend on the gradients)."""
+        cached = self._step_extras
+        if step is not None and cached is not None and cached[0] == step:
+            return cached[1], None, cached[2]
+        keys, packed = self._extras(device)
+        return keys, packed, None
+
+    def _remember_extras(self, step, keys: list[str], values: list[float]) -> None:
+        if step is not None:
+            self._step_extras = (step, keys, values)
+
     def _extras(self, device) -> tuple[list[str], torch.Tensor | None]:
         keys, vals = [], []
         for fn in self._sources.values():
@@ -285,7 +348,7 @@ class GradStats:
             if per_tensor is not None:
                 self._fill_max(report, dev, torch.cat(self._best(per_tensor)).tolist())
         else:
-            keys, extras = self._extras(dev.global_norm.device)
+            keys, extras, known = self._extras_once(step, dev.global_norm.device)
             parts = [dev.group_norms, dev.nonfinite, dev.global_norm.reshape(1), *self._best(dev.param_norms)]
             per_tensor = self._param_max_abs(dev) if max_abs else None
             if per_tensor is not None:
@@ -311,7 +374,9 @@ class GradStats:
             if per_tensor is not None:
                 self._fill_max(report, dev, rest[:2])
                 rest = rest[2:]
-            report.extras = dict(zip(keys, rest))
+            values = known if known is not None else rest
+            self._remember_extras(step, keys, values)
+            report.extras = dict(zip(keys, values))
         self._host, self._host_key = report, self._dev_key
         return report
 
@@ -324,9 +389,10 @@ class GradStats:
             report.max_abs_group = dev.groups[dev.group_ids[int(arg)]]
 
     def _unavailable_report(self, step) -> GradReport:
-        present, grads = self._present()
+        _, grads, _ = self._present()
         device = next((p.device for _, p, _ in self._ensure_entries()), torch.device("cpu"))
-        keys, extras = self._extras(device)
+        keys, extras, known = self._extras_once(step, device)
         reason = "sharded (DTensor) gradients are not read" if grads else "no parameter has a .grad"
-        values = extras.tolist() if extras is not None else []
+        values = known if known is not None else extras.tolist() if extras is not None else []
+        self._remember_extras(step, keys, values)
         return GradReport(step=step, available=False, reason=reason, extras=dict(zip(keys, values)))

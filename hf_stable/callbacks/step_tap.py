@@ -59,6 +59,7 @@ class StepTap:
         self._num: torch.Tensor | None = None
         self._den = 0.0
         self.n_losses = 0
+        self._stats = None  # the model's GradStats, which transfers our loss sums
 
     @classmethod
     def shared(cls, model: torch.nn.Module) -> StepTap:
@@ -82,7 +83,8 @@ class StepTap:
         ]
         from hf_stable.callbacks.grad_stats import GradStats
 
-        GradStats.shared(model).add_source("step_tap", self.device_scalars)
+        self._stats = GradStats.shared(model)
+        self._stats.add_source("step_tap", self.device_scalars)
         return self
 
     def detach(self) -> None:
@@ -95,6 +97,8 @@ class StepTap:
         self.inputs = []
         self.tokens = 0
         self._num, self._den, self.n_losses = None, 0.0, 0
+        if self._stats is not None:
+            self._stats.begin_step()
 
     @contextlib.contextmanager
     def paused(self):

@@ -84,7 +84,16 @@ class RollbackConfig:
     the snapshot exactly and multiply the LR by a backoff. Needs `skip.enabled` (the skip guard judges steps)."""
 
     enabled: bool = field(default=True, metadata=_h("Roll back after repeated bad steps."))
-    snapshot_every: int = field(default=50, metadata=_h("Take a snapshot after this many good steps."))
+    snapshot_every: int = field(default=50, metadata=_h("At most this many good steps between snapshots."))
+    snapshot_share: float | None = field(
+        default=0.1,
+        metadata=_h("Also snapshot once the good steps since the last snapshot reach this share of the steps done "
+                    "(at least snapshot_min_every), so a rollback undoes about this share of the run. null = only "
+                    "every snapshot_every."),
+    )
+    snapshot_min_every: int = field(
+        default=10, metadata=_h("Never snapshot more often than every this many good steps.")
+    )
     bad_steps: int = field(default=3, metadata=_h("Roll back after this many skipped (bad) steps ..."))
     window: int = field(default=20, metadata=_h("... within this many optimizer steps."))
     lr_backoff: float = field(default=0.5, metadata=_h("Multiply the LR factor by this at each rollback."))
@@ -96,19 +105,30 @@ class RollbackConfig:
     verify: bool = field(
         default=True,
         metadata=_h("Before restoring, re-run the step's batch at the snapshot's weights; when it is as bad there "
-                    "(bad data, not damaged weights) only skip (memory storage)."),
+                    "(bad data, not damaged weights) only skip."),
     )
     storage: Literal["memory", "disk"] = field(
         default="memory",
-        metadata=_h("Where snapshots live: CPU memory (LoRA: small) or <output_dir>/hf_stable_rollback (large)."),
+        metadata=_h("Where snapshots live: CPU memory (LoRA: small) or <output_dir>/hf_stable_rollback (large). "
+                    "A memory snapshot larger than host_memory_share of the free host memory goes to disk (with a "
+                    "warning); one that fits nowhere stops the run before the first step."),
+    )
+    host_memory_share: float = field(
+        default=0.5,
+        metadata=_h("Share of the host's available memory at train start (split over the ranks on the host) that "
+                    "memory snapshots and the rollback check's copy of the weights may take."),
     )
     max_rollbacks: int = field(default=10, metadata=_h("After this many rollbacks only skip (an event says so)."))
 
     def validate(self) -> list[str]:
         out: list[str] = []
-        for name in ("snapshot_every", "bad_steps", "window"):
+        for name in ("snapshot_every", "snapshot_min_every", "bad_steps", "window"):
             if getattr(self, name) < 1:
                 out.append(f"{name}: got {getattr(self, name)}, must be >= 1")
+        if self.snapshot_share is not None and not 0 < self.snapshot_share <= 1:
+            out.append(f"snapshot_share: got {self.snapshot_share}, must be in (0, 1] or null")
+        if not 0 < self.host_memory_share <= 1:
+            out.append(f"host_memory_share: got {self.host_memory_share}, must be in (0, 1]")
         if not out and self.bad_steps > self.window:
             out.append(f"bad_steps: got {self.bad_steps}, must be <= window ({self.window})")
         if not 0.0 < self.lr_backoff <= 1.0:

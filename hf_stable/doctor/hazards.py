@@ -222,6 +222,36 @@ def check_checkpointing(s: TrainingSettings) -> list[Finding]:
     return [_f("ok", "checkpointing", "gradient checkpointing is non-reentrant", f"kwargs={kwargs}")]
 
 
+def check_host_buffers(cfg, s: TrainingSettings, facts: ModelFacts | None) -> list[Finding]:
+    """Sizes of the buffers that grow with the trainable parameters: the rollback snapshot (weights + optimizer
+    state, host memory or disk) and the update monitor's device copy of the weights."""
+    from hf_stable.callbacks.guards.snapshot_size import estimate_size, human, plan_storage
+
+    guards = cfg.stability.guards
+    if facts is None or not facts.trainable_numel:
+        return []
+    per = facts.trainable_bytes / facts.trainable_numel
+    phases = [p.name for p in guards.phases.phases] if guards.enabled and guards.phases.enabled else [cfg.optim.name]
+    size = max((estimate_size(facts.trainable_numel, round(per), name) for name in phases), key=lambda x: x.state)
+    update = cfg.stability.monitors.update
+    extra = (f"; the update monitor copies the trainable weights on the device every {update.every_n_steps} steps "
+             f"({human(size.params)})" if cfg.stability.monitors.enabled and update.enabled else "")
+    evidence = f"{facts.trainable_numel:,} trainable parameters; {size.describe()}{extra}"
+    if not (guards.enabled and guards.skip.enabled and guards.rollback.enabled):
+        return [_f("info", "host_buffers", "rollback snapshots are off", evidence)]
+    rb = guards.rollback
+    plan = plan_storage(size, rb.storage, rb.verify, s.get("output_dir") or ".", rb.host_memory_share)
+    if plan.error:
+        return [_f("error", "host_buffers", "rollback snapshots fit neither in host memory nor on disk",
+                   plan.error, "set stability.guards.rollback.enabled: false, free disk space under "
+                   "training.output_dir, or train LoRA (lora.enabled: true)")]  # fmt: skip
+    if plan.note:
+        return [_f("warning", "host_buffers", f"rollback snapshots will go to {plan.storage}: too large for host "
+                   "memory", plan.note, "set stability.guards.rollback.storage: disk (or train LoRA)")]  # fmt: skip
+    return [_f("info", "host_buffers", f"rollback snapshots ({human(size.snapshot)}) fit "
+               f"(storage: {plan.storage})", evidence)]  # fmt: skip
+
+
 def check_hazards(
     cfg,
     s: TrainingSettings,
@@ -242,4 +272,5 @@ def check_hazards(
     out += check_effective_batch(cfg, s, doctor, n_train)
     out += check_double_clipping(cfg, s)
     out += check_checkpointing(s)
+    out += check_host_buffers(cfg, s, facts)
     return out

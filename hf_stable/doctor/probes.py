@@ -21,11 +21,15 @@ class ModelFacts:
         model_type: ``config.model_type`` (e.g. "llama", "qwen2"), or "" when unknown.
         modules: module name → class name, for every named module.
         num_layers: decoder layers (0 when unknown).
+        trainable_numel: parameters that will train (counted on a real model, estimated for a meta one).
+        trainable_bytes: their bytes, in the dtype they will train in.
     """
 
     model_type: str = ""
     modules: dict[str, str] = field(default_factory=dict)
     num_layers: int = 0
+    trainable_numel: int = 0
+    trainable_bytes: int = 0
 
 
 # Layer classes peft's LoRA can wrap (transformers' GPT-2 style Conv1D included).
@@ -37,11 +41,22 @@ def model_facts(model) -> ModelFacts:
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     modules = {name: type(m).__name__ for name, m in model.named_modules() if name}
+    trainable = [p for p in model.parameters() if p.requires_grad]
     return ModelFacts(
         model_type=str(getattr(config, "model_type", "") or ""),
         modules=modules,
         num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        trainable_numel=sum(p.numel() for p in trainable),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
     )
+
+
+def _lora_numel(model, lora) -> int:
+    """Parameters of a LoRA adapter on `model`: r x (in + out) per targeted Linear (peft keeps them in fp32)."""
+    matched = match_targets(lora.target_modules, {n: type(m).__name__ for n, m in model.named_modules() if n})
+    modules = dict(model.named_modules())
+    return sum(lora.r * (modules[n].in_features + modules[n].out_features)
+               for names in matched.values() for n in names if hasattr(modules[n], "in_features"))
 
 
 def meta_model_facts(cfg, base: str) -> ModelFacts:
@@ -53,7 +68,14 @@ def meta_model_facts(cfg, base: str) -> ModelFacts:
     config = AutoConfig.from_pretrained(base, trust_remote_code=remote, revision=cfg.model.revision)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
-    return model_facts(model)
+    facts = model_facts(model)
+    if cfg.lora.enabled:
+        facts.trainable_numel = _lora_numel(model, cfg.lora)
+        facts.trainable_bytes = 4 * facts.trainable_numel
+    else:
+        dtype = cfg.model.dtype if cfg.model.dtype != "auto" else str(getattr(config, "dtype", None) or "float32")
+        facts.trainable_bytes = facts.trainable_numel * (4 if "32" in dtype else 2)
+    return facts
 
 
 def match_targets(targets: list[str], modules: dict[str, str]) -> dict[str, list[str]]:

@@ -12,7 +12,10 @@ rank 1 only:
   numbers (NaN now, finite at the snapshot) say "damaged" on both, and both restore the snapshot of step 0.
 
 Both ranks must skip steps 3, 6 and 8, roll back at 8, end with bitwise identical finite weights, and never hang
-(the faulthandler below turns a hang into stack traces and an exit).
+(the faulthandler below turns a hang into stack traces and an exit). The same run follows with `StableTrainer` in
+the same process group (results in OUT/stable/), a gradient monitor listed first: the statistics (and the loss
+summed over ranks) are taken before the step-6 edit, so only rank 1 recomputes them for the skip guard - without
+entering a collective the other rank does not enter.
 """
 
 from __future__ import annotations
@@ -39,20 +42,34 @@ from guards_common import (  # noqa: E402
 )
 from transformers import Trainer  # noqa: E402
 
+from hf_stable.callbacks import GradientMonitor  # noqa: E402
 from hf_stable.callbacks.guards import SkipGuard, build_guards  # noqa: E402
 from hf_stable.config.guards import GuardsConfig  # noqa: E402
 from hf_stable.distributed import shutdown  # noqa: E402
+from hf_stable.trainer import StableTrainer  # noqa: E402
 
 
 def main(out: str) -> None:
     faulthandler.dump_traceback_later(int(os.environ.get("GUARDS_DDP_TIMEOUT", "150")), exit=True)
+    run(out, Trainer)
+    run(str(Path(out, "stable")), StableTrainer, first=[GradientMonitor()])
+    shutdown()  # leave together: a gloo rank whose peer already exited can abort at interpreter shutdown
+    # Results are on disk. Skip interpreter finalisation: torch's gloo teardown at exit sometimes aborts
+    # ("terminate called without an active exception", ~1 run in 10 here), which would fail a correct run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run(out: str, trainer_cls, first=()) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
     model = tiny_lora_llama()
     LossFault(model, [3], rank=1)
     guards = build_guards(GuardsConfig())
     rec = Recorder(model)
     args = training_args(out, max_steps=10, per_device_train_batch_size=2)
-    trainer = Trainer(model=model, args=args, train_dataset=token_data(64),
-                      callbacks=[GradFaultOnRank(step=6, rank=1), *guards, rec, WeightDamage(model, [7], rank=1)])
+    callbacks = [*first, GradFaultOnRank(step=6, rank=1), *guards, rec, WeightDamage(model, [7], rank=1)]
+    trainer = trainer_cls(model=model, args=args, train_dataset=token_data(64), callbacks=callbacks)
     trainer.train()
     skip = next(g for g in guards if isinstance(g, SkipGuard))
     rank = args.process_index
@@ -66,12 +83,6 @@ def main(out: str) -> None:
     }
     torch.save(rec.weights[10], Path(out, f"rank{rank}.pt"))
     Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))
-    shutdown()  # leave together: a gloo rank whose peer already exited can abort at interpreter shutdown
-    # Results are on disk. Skip interpreter finalisation: torch's gloo teardown at exit sometimes aborts
-    # ("terminate called without an active exception", ~1 run in 10 here), which would fail a correct run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -58,12 +58,13 @@ def build_guards(cfg, training: dict | None = None) -> list[StabilityCallback]:
     lr = LRControl.from_config(cfg.lr)
     out: list[StabilityCallback] = []
     skip = SkipGuard.from_config(cfg.skip) if cfg.skip.enabled else None
+    clip = ClipGuard.from_config(cfg.clipping, skip_guard=skip) if cfg.clipping.enabled else None
     if skip is not None:
         out.append(skip)
-        if cfg.rollback.enabled:
-            out.append(RollbackGuard.from_config(cfg.rollback, skip, lr))
-    if cfg.clipping.enabled:
-        out.append(ClipGuard.from_config(cfg.clipping, skip_guard=skip))
+        if cfg.rollback.enabled:  # the adaptive clip statistics roll back with the weights too
+            out.append(RollbackGuard.from_config(cfg.rollback, skip, lr, followers=[clip] if clip else None))
+    if clip is not None:
+        out.append(clip)
     if cfg.snr.enabled:
         out.append(SNRGuard.from_config(cfg.snr, lr, skip_guard=skip))
     if cfg.phases.enabled:

@@ -108,6 +108,14 @@ class ClipGuard(StabilityCallback):
         self._stats = {g: [float(x) for x in v] for g, v in state.get("stats", {}).items()}
         self._clipped_steps = int(state.get("clipped_steps", 0))
 
+    def stats_state(self) -> dict:
+        """The adaptive statistics only (what a rollback restores with the weights)."""
+        return {"stats": {g: list(v) for g, v in self._stats.items()}}
+
+    def after_rollback(self, state: dict) -> None:
+        """Called by `RollbackGuard` after restoring weights: the statistics go back to the snapshot's."""
+        self._stats = {g: [float(x) for x in v] for g, v in state.get("stats", {}).items()}
+
     # --- decisions (pure, host numbers) -------------------------------------------------------------------
     def coefficients(self, group_norms: dict[str, float], global_norm: float) -> dict[str, float]:
         """Scale factor per group (1.0 = untouched) for this step; the adaptive statistics learn from it."""
@@ -199,11 +207,19 @@ class ClipGuard(StabilityCallback):
         if not report.available or dev is None:
             return
         coefs = self.coefficients(report.group_norms, report.global_norm)
-        self._apply(dev, coefs)
-        if self.agc_lambda is not None:
-            self._agc(dev)
-        self.last_coefficients = coefs
         clipped = [g for g, c in coefs.items() if c < 1.0]
+        if clipped or self.agc_lambda is not None:
+            # our own edit: the step's statistics stay pre-clip (a later max |g| is divided by the group's factor;
+            # AGC's per-row factors are not undone)
+            scale = None
+            if clipped:
+                per_param = [coefs.get(dev.groups[gi], 1.0) for gi in dev.group_ids]
+                scale = torch.tensor(per_param, dtype=torch.float32, device=dev.param_norms.device)
+            with stats.edited(state.global_step, scale):
+                self._apply(dev, coefs)
+                if self.agc_lambda is not None:
+                    self._agc(dev)
+        self.last_coefficients = coefs
         self._clipped_steps += bool(clipped)
         after = math.sqrt(sum((coefs[g] * n) ** 2 for g, n in report.group_norms.items() if math.isfinite(n)))
         self.record({"clip/coef_min": min(coefs.values(), default=1.0), "clip/groups_clipped": float(len(clipped)),

@@ -1,13 +1,26 @@
 """`RollbackGuard`: after K bad steps within a window, restore the last good weights and optimizer state exactly,
 then lower the LR.
 
-Snapshots hold the parameters the optimizer updates (for LoRA a few MB) and the optimizer state, copied to CPU
-memory — or to `<output_dir>/hf_stable_rollback/rank<r>.pt` with `storage="disk"` for large full fine-tunes —
-at train start and after every `snapshot_every` good steps (in `on_step_end`, after the update), postponed while
-the skip guard sees the loss rising (a snapshot must not capture a divergence in progress). Restoring copies
-the saved tensors back into the live ones (`copy_`, so dtype/device/identity stay and the values are bitwise
-equal), removes state that did not exist at snapshot time, and restores the skip guard's spike references. The
-LR factor `rollback` (see `LRControl`) is then multiplied by `lr_backoff` and persists on top of the schedule.
+Snapshots (`SnapshotStore`) hold the parameters the optimizer updates, the optimizer state and the references of
+the guards that learn from accepted steps (the skip guard's loss and grad-norm references, the adaptive clip
+statistics): in CPU memory, or in `<output_dir>/hf_stable_rollback/rank<r>.pt` with `storage="disk"`. One is taken
+at train start and then after every `interval` good steps (in `on_step_end`, after the update), postponed while
+the skip guard sees the loss rising (a snapshot must not capture a divergence in progress). Restoring puts the
+weights, the optimizer state and those references back, so the guards judge the restored run by what was normal
+at the snapshot, not by the run being undone (the initial snapshot has no references: they restart from the next
+accepted step, see `SkipGuard.after_rollback`). The LR factor `rollback` (see `LRControl`) is then multiplied by
+`lr_backoff` and persists on top of the schedule.
+
+Fresh snapshots: the interval is `min(snapshot_every, max(snapshot_min_every, ceil(snapshot_share x step)))`
+good steps, so a rollback undoes about `snapshot_share` of the steps done (at least `snapshot_min_every`, at
+most `snapshot_every`) instead of everything since step 0 for a fault before `snapshot_every`. The interval is a
+function of `global_step` and the agreed good-step count, which are restored on resume: snapshots fall on the
+same steps in a resumed and an uninterrupted run, on every rank.
+
+Host memory: before the first snapshot the guard sizes it (`snapshot_size`): trainable weights plus the optimizer
+state as the optimizer will hold it, plus the rollback check's copy of the weights. When that does not fit in
+`host_memory_share` of the available host memory (split over the ranks on the host), snapshots go to disk (event
+`guard_notice`); when they fit nowhere, `ConfigError` says what to set. The decision is agreed over ranks.
 
 Escalation (`escalate=True`): a rollback to the same snapshot as the previous one (no snapshot taken in between, so
 no progress was kept), after the run had recovered for at least one good step, raises the exponent: the factor is
@@ -17,11 +30,13 @@ more than one backoff; stepping faster wastes fewer steps on doomed retries, and
 the edge of stability instead of on it (a 10x LR in `benchmarks/rescue.py` ended at 2.5x the tuned LR with plain
 halving, 6 % worse, and within 1 % with escalation). A new snapshot starts again at `lr_backoff`.
 
-Data or weights (`verify=True`, memory storage): before restoring, the step's batch is re-run at the current and
-at the snapshot's weights (`rollback_check`). When it is as bad at the snapshot's weights, the data is bad and
-the weights are not damaged (every bad step was skipped), so the guard declines (event `rollback_declined`): no
-restore, no LR change, the good steps since the snapshot are kept. A 10-batch burst of garbage in
-`benchmarks/rescue.py` (`poison_burst`) cost 5-7 % of eval loss through an unneeded rollback without this check.
+Data or weights (`verify=True`): before restoring, the step's batch is re-run at the current and at the snapshot's
+weights (`rollback_check`) and the snapshot's numbers are judged by the skip rules with the references recorded
+with the snapshot (an early snapshot's loss is high by nature; today's references would call it bad). When the
+batch is as bad at the snapshot's weights, the data is bad and the weights are not damaged (every bad step was
+skipped), so the guard declines (event `rollback_declined`): no restore, no LR change, the good steps since the
+snapshot are kept. A 10-batch burst of garbage in `benchmarks/rescue.py` (`poison_burst`) cost 5-7 % of eval loss
+through an unneeded rollback without this check.
 
 Bursts: when K more bad steps follow a rollback with no step applied in between, the weights and optimizer state
 are still exactly the snapshot's and the LR was never used, so restoring again would only lower the LR. The guard
@@ -31,36 +46,25 @@ a data fault, and punishing the LR for it would slow the rest of the run.
 What is not rewound: the data stream and the schedule. The batches that triggered the rollback are therefore
 never seen again, and the good batches trained since the snapshot are dropped (the event says how many steps).
 Bad steps come from the agreed `SkipGuard` verdicts, so every rank rolls back at the same step without another
-collective. If the optimizer was switched (optimizer phases) since the snapshot, only the weights are restored
-and the new optimizer's state is reset (the saved state belongs to a different optimizer).
+collective.
 """
 
 from __future__ import annotations
 
-import copy
-import os
+import math
 from collections import deque
 from pathlib import Path
 
-import torch
-
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.guards.distributed import drop_gradients, rank_of
-from hf_stable.callbacks.guards.lr_control import LRControl, unwrap_optimizer
+from hf_stable.callbacks.guards.distributed import agree, drop_gradients, rank_of
+from hf_stable.callbacks.guards.lr_control import LRControl
 from hf_stable.callbacks.guards.rollback_check import probe_snapshot, weights_damaged
 from hf_stable.callbacks.guards.skip_step import SkipGuard
+from hf_stable.callbacks.guards.snapshot import SnapshotStore, optimizer_params
+from hf_stable.callbacks.guards.snapshot_size import plan_storage, snapshot_size
+from hf_stable.callbacks.monitor_utils import collective_device
 from hf_stable.distributed import sharded_training
-
-
-def _to_cpu(value) -> tuple:
-    """(tensor on CPU, original device) for tensors; (None, a deep copy) for Python values (e.g. an int step)."""
-    if isinstance(value, torch.Tensor):
-        return (value.detach().to("cpu", copy=True), str(value.device))
-    return (None, copy.deepcopy(value))
-
-
-def _params(optimizer) -> list[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
+from hf_stable.errors import ConfigError
 
 
 class RollbackGuard(StabilityCallback):
@@ -69,16 +73,26 @@ class RollbackGuard(StabilityCallback):
     Args:
         skip_guard: the `SkipGuard` whose verdicts count as bad steps (listed before this guard).
         lr_control: the `LRControl` holding the persistent `rollback` LR factor.
-        snapshot_every: take a snapshot after this many good steps.
+        snapshot_every: at most this many good steps between snapshots.
+        snapshot_share: snapshot once the good steps since the last one reach this share of the steps done ...
+        snapshot_min_every: ... but never more often than every this many good steps (None share: every
+            `snapshot_every`).
         bad_steps: K, the number of bad steps ...
         window: ... within this many optimizer steps that triggers a rollback.
         lr_backoff: multiply the `rollback` LR factor by this at each rollback.
         escalate: a repeat rollback to the same snapshot after at least one good step raises the backoff exponent.
         verify: before restoring, probe the step's batch at the snapshot's weights (`rollback_check`); when it is as
-            bad there (bad data, not damaged weights) decline the rollback (memory storage only).
+            bad there (bad data, not damaged weights) decline the rollback.
         storage: "memory" (CPU copies) or "disk" (one file per rank under the output dir).
+        host_memory_share: the share of the available host memory (split over the ranks on the host) snapshots
+            may take; a larger snapshot goes to disk.
         max_rollbacks: after this many rollbacks only skip (event `rollback_exhausted`).
+        followers: more guards whose references roll back with the weights (`stats_state()` / `after_rollback()`,
+            e.g. `ClipGuard`); the skip guard always does.
         enabled: when False the callback does nothing.
+
+    Raises:
+        ConfigError: at train start, when a snapshot fits neither in host memory nor on disk.
 
     Example:
         >>> skip, lr = SkipGuard(), LRControl()
@@ -97,36 +111,43 @@ class RollbackGuard(StabilityCallback):
         verify: bool = True,
         storage: str = "memory",
         max_rollbacks: int = 10,
+        snapshot_share: float | None = 0.1,
+        snapshot_min_every: int = 10,
+        host_memory_share: float = 0.5,
+        followers: list | None = None,
         enabled: bool = True,
     ):
         super().__init__(enabled)
         self.skip_guard = skip_guard
         self.lr_control = lr_control
         self.snapshot_every = snapshot_every
+        self.snapshot_share = snapshot_share
+        self.snapshot_min_every = snapshot_min_every
         self.bad_steps = bad_steps
         self.window = window
         self.lr_backoff = lr_backoff
         self.escalate = escalate
         self.verify = verify
+        self.storage = storage
+        self.host_memory_share = host_memory_share
+        self.max_rollbacks = max_rollbacks
+        self.followers = [skip_guard, *(followers or [])]
         self._repeats = 0  # backoff exponent of the last rollback to the current snapshot (0: none yet)
         self._held_said = False
-        self.storage = storage
-        self.max_rollbacks = max_rollbacks
         self._bad: deque[int] = deque()
         self._good_since = 0
         self._rollbacks = 0
         self._exhausted_said = False
-        self._snapshot: dict | None = None
-        self._snapshot_step: int | None = None
-        self._path: Path | None = None
+        self._store = SnapshotStore(storage)
+        self._plan = (storage, verify)  # (storage, verify) in use, decided at train start
         self._rolled_back_at: int | None = None
         self._off = False
 
     @classmethod
-    def from_config(cls, cfg, skip_guard: SkipGuard, lr_control: LRControl) -> RollbackGuard:
-        names = ("snapshot_every", "bad_steps", "window", "lr_backoff", "escalate", "verify", "storage",
-                 "max_rollbacks", "enabled")
-        return cls(skip_guard, lr_control, **{n: getattr(cfg, n) for n in names})
+    def from_config(cls, cfg, skip_guard: SkipGuard, lr_control: LRControl, followers=None) -> RollbackGuard:
+        names = ("snapshot_every", "snapshot_share", "snapshot_min_every", "bad_steps", "window", "lr_backoff",
+                 "escalate", "verify", "storage", "host_memory_share", "max_rollbacks", "enabled")
+        return cls(skip_guard, lr_control, followers=followers, **{n: getattr(cfg, n) for n in names})
 
     # --- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -146,72 +167,50 @@ class RollbackGuard(StabilityCallback):
 
     @property
     def snapshot_step(self) -> int | None:
-        return self._snapshot_step
+        return self._store.step
+
+    @property
+    def storage_in_use(self) -> str:
+        return self._store.storage
+
+    def interval(self, step: int) -> int:
+        """Good steps between snapshots at optimizer step `step` (see the module doc)."""
+        if self.snapshot_share is None:
+            return self.snapshot_every
+        return min(self.snapshot_every, max(self.snapshot_min_every, math.ceil(self.snapshot_share * step)))
 
     # --- snapshot / restore -------------------------------------------------------------------------------
     def take_snapshot(self, step: int, optimizer, reset_counter: bool = True) -> None:
-        """Copy the optimizer's parameters and state (and the skip guard's references) to CPU or disk."""
-        opt = unwrap_optimizer(optimizer)
-        params = _params(opt)
-        index = {id(p): i for i, p in enumerate(params)}
-        snap = {
-            "step": step,
-            "optimizer_type": type(getattr(opt, "current", opt)).__name__,
-            "params": [p.detach().to("cpu", copy=True) for p in params],
-            "state": {index[id(p)]: {k: _to_cpu(v) for k, v in s.items()}
-                      for p, s in opt.state.items() if id(p) in index},
-            "skip_stats": self.skip_guard.stats_state(),
-        }
-        if self.storage == "disk" and self._path is not None:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._path.with_suffix(".tmp")
-            torch.save(snap, tmp)
-            os.replace(tmp, self._path)  # a crash mid-write never leaves a torn snapshot
-            self._snapshot = {"step": step}
-        else:
-            self._snapshot = snap
-        self._snapshot_step = step
+        """Save the optimizer's parameters and state and the followers' references (CPU memory or disk)."""
+        self._store.save(step, optimizer, {f.state_key: f.stats_state() for f in self.followers})
         self._repeats = 0
         if reset_counter:
             self._good_since = 0
 
-    def _load_snapshot(self) -> dict | None:
-        if self._snapshot is None:
-            return None
-        if "params" in self._snapshot:
-            return self._snapshot
-        return torch.load(self._path, map_location="cpu", weights_only=False)
-
     def restore(self, optimizer) -> tuple[int, bool]:
         """Put the snapshot back; returns (snapshot step, whether the optimizer state was restored too)."""
-        snap = self._load_snapshot()
-        opt = unwrap_optimizer(optimizer)
-        params = _params(opt)
-        if snap is None or len(snap["params"]) != len(params):
-            raise RuntimeError("rollback snapshot does not match the optimizer's parameters")
-        with torch.no_grad():
-            for p, saved in zip(params, snap["params"]):
-                p.copy_(saved)
-        same_opt = snap["optimizer_type"] == type(getattr(opt, "current", opt)).__name__
-        for i, p in enumerate(params):
-            saved = snap["state"].get(i) if same_opt else None
-            if saved is None:
-                opt.state.pop(p, None)
-                continue
-            live = opt.state[p]
-            for key in [k for k in live if k not in saved]:
-                del live[key]
-            for key, (value, device) in saved.items():
-                if value is None:
-                    live[key] = copy.deepcopy(device)
-                    continue
-                cur = live.get(key)
-                if isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype:
-                    cur.copy_(value)
-                else:
-                    live[key] = value.to(device, copy=True)
-        self.skip_guard.after_rollback(snap["skip_stats"])
-        return snap["step"], same_opt
+        step, same_opt, guard_states = self._store.restore(optimizer)
+        for f in self.followers:
+            if f.state_key in guard_states:
+                f.after_rollback(guard_states[f.state_key])
+        return step, same_opt
+
+    def _choose_storage(self, args, step: int, optimizer) -> None:
+        """Size the snapshot before the first one is taken; switch to disk or refuse when it does not fit."""
+        size = snapshot_size(optimizer)
+        plan = plan_storage(size, self.storage, self.verify, args.output_dir, self.host_memory_share)
+        # every rank must store (and verify) alike: the probe is a collective
+        flags = agree([float(bool(plan.error)), float(plan.storage == "disk"), float(not plan.verify)],
+                      collective_device(args))
+        if flags[0]:
+            raise ConfigError([f"stability.guards.rollback.storage: {plan.error or 'does not fit on another rank'}"])
+        storage, verify = ("disk" if flags[1] else "memory"), not flags[2]
+        self._store = SnapshotStore(storage, Path(args.output_dir) / "hf_stable_rollback" / f"rank{rank_of(args)}.pt")
+        self._plan = (storage, verify and self.verify)
+        if plan.note or storage != self.storage:
+            self.event(step, "guard_notice", plan.note or f"another rank's snapshots do not fit in host memory: "
+                       f"rollback snapshots go to disk on every rank ({size.describe()})", severity="warning",
+                       storage=storage, snapshot_bytes=size.snapshot, verify=self._plan[1])
 
     # --- Trainer hooks ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -219,7 +218,7 @@ class RollbackGuard(StabilityCallback):
         self._off = sharded_training(args) is not None or optimizer is None
         if not self.enabled or self._off:
             return
-        self._path = Path(args.output_dir) / "hf_stable_rollback" / f"rank{rank_of(args)}.pt"
+        self._choose_storage(args, state.global_step, optimizer)
         # On resume the checkpoint's weights are the snapshot; the snapshot clock keeps its restored count so
         # later snapshots fall on the same steps as in an uninterrupted run.
         self.take_snapshot(state.global_step, optimizer, reset_counter=state.global_step == 0)
@@ -236,6 +235,7 @@ class RollbackGuard(StabilityCallback):
             self._bad.popleft()
         if len(self._bad) < self.bad_steps:
             return
+        snap_step = self._store.step
         if self._repeats and self._good_since == 0:
             # Every step since the last restore was skipped: the weights and optimizer state are still the
             # snapshot's, and the LR was not used - restoring again would change nothing but the LR.
@@ -244,8 +244,8 @@ class RollbackGuard(StabilityCallback):
                 self._held_said = True
                 self.event(step, "rollback_held",
                            f"{self.bad_steps} more bad steps right after the rollback, none applied since: the "
-                           f"weights are still the snapshot of step {self._snapshot_step}; skipping them without "
-                           "another LR backoff (a burst of bad data, not the LR)", value=self._snapshot_step,
+                           f"weights are still the snapshot of step {snap_step}; skipping them without "
+                           "another LR backoff (a burst of bad data, not the LR)", value=snap_step,
                            threshold=self.bad_steps, severity="warning")
             return
         if self._rollbacks >= self.max_rollbacks:
@@ -255,19 +255,23 @@ class RollbackGuard(StabilityCallback):
                            "bad steps are only skipped from now on", severity="error")
             return
         checked = "not checked"
-        if self.verify and self.storage == "memory" and model is not None and self._snapshot is not None:
-            probes = probe_snapshot(model, _params(unwrap_optimizer(optimizer)), self._snapshot["params"], args)
+        if self._plan[1] and model is not None and not self._store.empty:
+            snapshot = self._store.load()
+            probes = probe_snapshot(model, optimizer_params(optimizer), snapshot["params"], args)
+            saved = snapshot["guard_states"].get(self.skip_guard.state_key, {})
             damaged = None if probes is None else weights_damaged(
-                verdict.grad_norm, verdict.loss, *probes, judge=self.skip_guard.local_flags)
+                verdict.grad_norm, verdict.loss, *probes, judge=self.skip_guard.judge_with(saved))
+            del snapshot
             if damaged is False:
                 self._bad.clear()
+                self.skip_guard.after_bad_data()
                 now, snap = probes
                 self.event(step, "rollback_declined",
                            f"{self.bad_steps} bad steps within {self.window}, but the weights are not the cause: "
-                           f"re-run now {now}, at the snapshot's weights (step {self._snapshot_step}) {snap} - "
+                           f"re-run now {now}, at the snapshot's weights (step {snap_step}) {snap} - "
                            "the batch is as bad there, or the fault does not reproduce. Bad data: every bad step "
                            "was skipped, nothing to undo, LR unchanged",
-                           value=self._snapshot_step, threshold=self.bad_steps, severity="warning",
+                           value=snap_step, threshold=self.bad_steps, severity="warning",
                            grad_norm_now=now.grad_norm, grad_norm_snapshot=snap.grad_norm)
                 return
             checked = "damaged weights" if damaged else "inconclusive"
@@ -298,6 +302,6 @@ class RollbackGuard(StabilityCallback):
             if good and self._rolled_back_at != state.global_step:
                 self._good_since += 1
                 self._held_said = False
-                if self._good_since >= self.snapshot_every and self.skip_guard.healthy:
+                if self._good_since >= self.interval(state.global_step) and self.skip_guard.healthy:
                     self.take_snapshot(state.global_step, optimizer)
         super().on_step_end(args, state, control, optimizer=optimizer, **kwargs)

@@ -34,6 +34,7 @@ acts long before that, restoring the weights and the references of its snapshot.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from hf_stable.callbacks.step_tap import StepTapUser
 from hf_stable.distributed import sharded_training
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise")
+_KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
 _MID_BETA = 0.9  # the loss-rise reference: the lowest value of this EMA over the window (follows a fast descent)
 
 
@@ -124,7 +126,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self._accepted = 0
         self._losses: deque[float] = deque(maxlen=window)
         self._skipped_total = 0
-        self._skipped_steps: list[int] = []
+        self._skipped_steps: deque[int] = deque(maxlen=_KEEP_STEPS)  # bounded: a run may skip for days
         self._device = None
         self._off_reason: str | None = None
         self._listeners: list[Callable] = []
@@ -156,12 +158,12 @@ class SkipGuard(StepTapUser, StabilityCallback):
 
     def state_dict(self) -> dict:
         return {**self.stats_state(), "skipped_total": self._skipped_total,
-                "skipped_steps": self._skipped_steps[-200:]}
+                "skipped_steps": list(self._skipped_steps)[-200:]}
 
     def load_state_dict(self, state: dict) -> None:
         self.load_stats_state(state)
         self._skipped_total = int(state.get("skipped_total", 0))
-        self._skipped_steps = [int(s) for s in state.get("skipped_steps", [])]
+        self._skipped_steps = deque((int(s) for s in state.get("skipped_steps", [])), maxlen=_KEEP_STEPS)
 
     @property
     def skipped_steps(self) -> list[int]:
@@ -228,18 +230,35 @@ class SkipGuard(StepTapUser, StabilityCallback):
     def after_rollback(self, snapshot_stats: dict) -> None:
         """Called by `RollbackGuard` after restoring weights, with the references saved in the snapshot.
 
-        References learned since the snapshot may include accepted steps of the very divergence being undone, so
-        they go back to the snapshot's. A snapshot taken before the guard was warm (the initial one) has none
-        worth restoring: then the loss-rise anchor (the lowest smoothed loss, which high values cannot move) is
-        kept, the trend and the grad-norm EMA restart from the next step, and the rules stay on.
+        The references learned since the snapshot describe the run being undone - a model trained further, and
+        perhaps accepted steps of the very divergence: after a rollback to an early snapshot (whose loss is high
+        by nature) its loss-rise anchor called every healthy step a rise. So a warm snapshot's references come
+        back; a snapshot taken before the guard was warm (the initial one) has none worth restoring, and the
+        references restart from the next accepted step with the rules still on (a re-divergence at the lowered LR
+        is caught from the second step on, not after a new warm-up).
         """
         if int(snapshot_stats.get("accepted", 0)) >= self.warmup_steps:
             self.load_stats_state(snapshot_stats)
-            self._loss_fast = self._loss_mid
         else:
-            self._loss_fast = None
-            self._norm_ema = None
+            self._norm_ema = self._loss_mid = None
+            self._losses = deque(maxlen=self.window)
+            self._mid_hist = deque(maxlen=self.window)
+        self._loss_fast = self._loss_mid
         self._spike_streak = 0
+
+    def after_bad_data(self) -> None:
+        """Called by `RollbackGuard` when its check found the bad steps to be bad data (a declined rollback): the
+        loss trend those batches drove up restarts from the accepted steps' smoothed loss, so the healthy batches
+        after the burst are not judged a rise."""
+        self._loss_fast = self._loss_mid
+        self._spike_streak = 0
+
+    def judge_with(self, stats: dict) -> Callable[..., list[float]]:
+        """`local_flags` against other references (`stats_state()` of another time, e.g. a snapshot's), leaving
+        this guard's own untouched."""
+        other = copy.copy(self)
+        other.load_stats_state(stats)
+        return other.local_flags
 
     def learn(self, grad_norm: float, loss: float | None) -> None:
         """Update the references with an accepted step."""

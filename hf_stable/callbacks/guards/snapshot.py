@@ -1,0 +1,119 @@
+"""`SnapshotStore`: the rollback guard's one snapshot of the trainable weights, the optimizer state and the guards'
+references - in CPU memory, or in one file per rank.
+
+`memory` keeps CPU copies (for LoRA a few MB). `disk` never builds a host copy of the whole snapshot: `torch.save`
+is handed the live tensors and moves one storage at a time to the host while writing (the training is paused in
+`on_step_end`), and a restore maps the file (`torch.load(mmap=True)`) and copies tensor by tensor into the live
+ones. The previous file is removed before the next one is written, so the disk holds one snapshot at a time (a
+snapshot is never read after a crash: a resumed run takes a fresh one from its checkpoint).
+
+Restoring copies the saved tensors back into the live ones (`copy_`: dtype, device and identity stay, the values are
+bitwise equal) and removes optimizer state that did not exist at snapshot time. If the optimizer was switched
+(optimizer phases) since the snapshot, only the weights are restored and the new optimizer's state is reset.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from hf_stable.callbacks.guards.lr_control import unwrap_optimizer
+
+
+def optimizer_params(optimizer) -> list[torch.Tensor]:
+    """The parameters the optimizer updates, in param-group order."""
+    return [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
+
+
+def _optimizer_type(opt) -> str:
+    return type(getattr(opt, "current", opt)).__name__
+
+
+def _entry(value, to_cpu: bool) -> tuple:
+    """(tensor, original device) for tensors - a CPU copy, or the live tensor for a streamed save; (None, a deep
+    copy) for Python values (e.g. an int step)."""
+    if isinstance(value, torch.Tensor):
+        return (value.detach().to("cpu", copy=True) if to_cpu else value.detach(), str(value.device))
+    return (None, copy.deepcopy(value))
+
+
+class SnapshotStore:
+    """Holds one snapshot; `storage` is "memory" or "disk" (then `path` is this rank's file).
+
+    Example:
+        >>> store = SnapshotStore("memory")
+        >>> store.save(step, optimizer, guard_states={"SkipGuard": skip.stats_state()})
+        >>> step, same_optimizer, guard_states = store.restore(optimizer)
+    """
+
+    def __init__(self, storage: str = "memory", path: Path | None = None):
+        self.storage = storage
+        self.path = path
+        self._snap: dict | None = None  # memory: the snapshot; disk: {"step", "guard_states"}
+        self.step: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self._snap is None
+
+    def save(self, step: int, optimizer, guard_states: dict) -> None:
+        opt = unwrap_optimizer(optimizer)
+        params = optimizer_params(opt)
+        index = {id(p): i for i, p in enumerate(params)}
+        to_cpu = self.storage != "disk" or self.path is None
+        snap = {
+            "step": step,
+            "optimizer_type": _optimizer_type(opt),
+            "params": [p.detach().to("cpu", copy=True) if to_cpu else p.detach() for p in params],
+            "state": {index[id(p)]: {k: _entry(v, to_cpu) for k, v in s.items()}
+                      for p, s in opt.state.items() if id(p) in index},
+            "guard_states": copy.deepcopy(guard_states),
+        }
+        if not to_cpu:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.unlink(missing_ok=True)  # one snapshot on disk at a time
+            torch.save(snap, self.path)
+            snap = {"step": step, "guard_states": snap["guard_states"]}
+        self._snap, self.step = snap, step
+
+    def load(self) -> dict | None:
+        """The whole snapshot (disk: memory-mapped, read on access)."""
+        if self._snap is None or "params" in self._snap:
+            return self._snap
+        return torch.load(self.path, map_location="cpu", mmap=True, weights_only=False)
+
+    def guard_states(self) -> dict:
+        return {} if self._snap is None else self._snap["guard_states"]
+
+    def restore(self, optimizer) -> tuple[int, bool, dict]:
+        """Put the snapshot back; returns (its step, whether the optimizer state was restored too, the guards'
+        saved references)."""
+        snap = self.load()
+        opt = unwrap_optimizer(optimizer)
+        params = optimizer_params(opt)
+        if snap is None or len(snap["params"]) != len(params):
+            raise RuntimeError("rollback snapshot does not match the optimizer's parameters")
+        with torch.no_grad():
+            for p, saved in zip(params, snap["params"]):
+                p.copy_(saved)
+        same_opt = snap["optimizer_type"] == _optimizer_type(opt)
+        for i, p in enumerate(params):
+            saved = snap["state"].get(i) if same_opt else None
+            if saved is None:
+                opt.state.pop(p, None)
+                continue
+            live = opt.state[p]
+            for key in [k for k in live if k not in saved]:
+                del live[key]
+            for key, (value, device) in saved.items():
+                if value is None:
+                    live[key] = copy.deepcopy(device)
+                    continue
+                cur = live.get(key)
+                if isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype:
+                    cur.copy_(value)
+                else:
+                    live[key] = value.to(device, copy=True)
+        return snap["step"], same_opt, snap["guard_states"]
