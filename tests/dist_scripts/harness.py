@@ -208,6 +208,50 @@ def strip_timing(state: dict) -> dict:
     return out
 
 
+def signal_launcher(args: list[str], out: Path, sig: int, *, after_step: int, nproc: int = 1, tag: str, **kw) -> dict:
+    """Start a launch, wait until every rank ends step `after_step` (the probe's `pause:` fault holds it there),
+    send `sig` to the launcher process only (as Kubernetes does), and wait for the launch to end.
+
+    Returns:
+        {"run": Run, "workers": worker pids, "seconds": from the signal to the end of the launch,
+         "status": RUN_INCOMPLETE.json right after it (None when absent)}.
+    """
+    started = start(args, out, nproc=nproc, fault=f"pause:{after_step}", tag=tag, **kw)
+    started.wait_for_files("paused_rank*", nproc, timeout=300)
+    workers = [int(f.read_text()) for f in started.probe.glob("paused_rank*")]
+    os.kill(started.proc.pid, sig)
+    signalled = time.monotonic()
+    run = started.wait(timeout=300)
+    status = out / "RUN_INCOMPLETE.json"
+    return {
+        "run": run,
+        "workers": workers,
+        "seconds": time.monotonic() - signalled,
+        "status": json.loads(status.read_text()) if status.is_file() else None,
+    }
+
+
+CPU = ["--training.use_cpu", "true"]  # without it TrainingArguments runs each CPU process alone (see prepare_launch)
+# thresholds inside the tiny run's gradient-norm range, so a guard skips steps and a monitor alerts: decisions
+# that must come out the same on both ranks (they read all-reduced values)
+DECISIONS = ["--stability.guards.skip.grad_norm_max", "1.2", "--stability.monitors.grad.explosion_norm", "1.1"]
+
+
+def ddp_args(out: Path) -> list[str]:
+    """The two-rank run: 96 rows / (2 ranks x 8) = 6 steps = 1 epoch."""
+    return recipe_args(out, steps=6, n_train=96) + CPU + DECISIONS
+
+
+@functools.cache
+def ddp_reference_run() -> Run:
+    """The uninterrupted two-rank reference (`ddp_args`, torchrun), shared by the tests that preempt it."""
+    out = session_dir() / "ddp_reference" / "out"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run = launch(ddp_args(out), out, nproc=2)
+    assert run.returncode == 0, run.tail()
+    return run
+
+
 @functools.cache
 def baseline_run() -> Run:
     """The uninterrupted reference run (8 steps, checkpoints every 2 steps), shared by several test modules."""
