@@ -59,7 +59,6 @@ class _LauncherState:
     signals: tuple[str, ...] = ("SIGTERM",)
     preemption_signals: tuple[str, ...] = ()
     exit_code: int = 143
-    forwarded: int | None = None
     exit_with: int | None = None
 
 
@@ -124,7 +123,6 @@ def _forward(signum, frame) -> None:
     children = psutil.Process().children()
     if not children:  # nothing started yet, or already gone: nothing to save
         raise SystemExit(128 + signum)
-    _state.forwarded = signum
     for child in children:
         try:
             child.send_signal(signum)
