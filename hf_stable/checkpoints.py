@@ -19,6 +19,7 @@ deleted; renaming the file back restores a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -76,11 +77,16 @@ def mark_complete(checkpoint_dir: str | Path, step: int, n_ranks: int = 1) -> Pa
         "files": _file_sizes(folder),
     }
     tmp = folder / f".{MARKER_FILE}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(marker, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(folder / MARKER_FILE)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(marker, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(folder / MARKER_FILE)
+    except BaseException:  # a full disk: no half-written marker left behind, the checkpoint stays incomplete
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     return folder / MARKER_FILE
 
 

@@ -7,6 +7,8 @@ happened, where (file:line, field, parameter, step) and how to fix it.
 
 from __future__ import annotations
 
+MAX_PROBLEM_CHARS = 1000
+
 
 class HfStableError(Exception):
     """Base class of every error hf_stable raises on purpose."""
@@ -21,7 +23,9 @@ class ConfigError(HfStableError):
     """
 
     def __init__(self, problems: list[str] | str, source: str | None = None):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        problems = [problems] if isinstance(problems, str) else list(problems)
+        # a value shown in full could be megabytes (a pasted data file, an expanded alias): keep lines readable
+        self.problems = [p if len(p) <= MAX_PROBLEM_CHARS else p[:MAX_PROBLEM_CHARS] + " ... (cut)" for p in problems]
         self.source = source
         where = f" in {source}" if source else ""
         lines = "\n".join(f"  - {p}" for p in self.problems)

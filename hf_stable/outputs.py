@@ -3,12 +3,21 @@
 A run is finished only when `run_summary.json` exists. At start, stale finish markers from an earlier
 run in the same directory are removed and `RUN_INCOMPLETE.json` is written; it is replaced by the
 summary on success and records the error on failure, so a crashed run never looks finished.
+
+The directory itself is user input: a path that cannot be created or written (a read-only parent, a file in
+the way) is one `OutputDirError` naming the path and the OS error, decided on the main process and shared
+with every rank. A full disk is an environment failure, not a bug: the error boundary reports it first, in
+one line, with the checkpoint a rerun resumes from, and no traceback. Writes go through a temporary file
+that is removed when the write fails, and recording a failure never raises (on a full disk it overwrites
+`RUN_INCOMPLETE.json` in place, which needs no new space).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,6 +31,37 @@ SUMMARY_FILE = "run_summary.json"
 INCOMPLETE_FILE = "RUN_INCOMPLETE.json"
 CONFIG_FILE = "resolved_config.yaml"
 FINISH_MARKERS = (SUMMARY_FILE, "README.md")
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# how a full disk reads in errors that carry no errno (safetensors' Rust IoError, "Disk quota exceeded" text)
+_FULL_TEXT = ("no space left on device", "storagefull", "disk quota exceeded")
+
+
+class OutputDirError(HfStableError):
+    """The output directory cannot be created or written (the message names the path and the OS error)."""
+
+
+def describe_os_error(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno, "") if e.errno else ""
+    where = f": {e.filename}" if e.filename else ""
+    return f"[{name or e.errno}] {e.strerror or e}{where}"
+
+
+def _errors_in_chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def disk_full(e: BaseException) -> bool:
+    """True when `e` (or an error it was raised from) says the disk or the quota is full."""
+    for err in _errors_in_chain(e):
+        if isinstance(err, OSError) and err.errno in _FULL_ERRNOS:
+            return True
+        if any(text in str(err).lower().replace(" ", "") for text in (t.replace(" ", "") for t in _FULL_TEXT)):
+            return True
+    return False
 
 
 class OutputDir:
@@ -32,14 +72,43 @@ class OutputDir:
         self.started = time.time()
 
     def start(self, config: dict) -> OutputDir:
+        """Create the directory, clear finish markers, write RUN_INCOMPLETE.json and the resolved config.
+
+        Every rank must call it (the main process's verdict is shared with the others).
+
+        Raises:
+            OutputDirError: the directory cannot be created or written, on every rank.
+        """
+        from hf_stable.distributed import broadcast_object
+
+        problem = None
         if is_main_process():
-            self.path.mkdir(parents=True, exist_ok=True)
-            for name in FINISH_MARKERS:
-                (self.path / name).unlink(missing_ok=True)
-            self._write_json(INCOMPLETE_FILE, {"status": "running", "started": self.started})
-            with open(self.path / CONFIG_FILE, "w", encoding="utf-8") as fh:
-                yaml.safe_dump(config, fh, sort_keys=False, allow_unicode=True)
+            try:
+                self._prepare(config)
+            except OSError as e:
+                problem = self._start_problem(e)
+        problem = broadcast_object(problem)
+        if problem:
+            raise OutputDirError(problem)
         return self
+
+    def _prepare(self, config: dict) -> None:
+        if self.path.exists() and not self.path.is_dir():
+            raise FileExistsError(errno.EEXIST, "exists and is not a directory", str(self.path))
+        self.path.mkdir(parents=True, exist_ok=True)
+        for name in FINISH_MARKERS:
+            (self.path / name).unlink(missing_ok=True)
+        self._write_json(INCOMPLETE_FILE, {"status": "running", "started": self.started})
+        self._write_text(CONFIG_FILE, yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+
+    def _start_problem(self, e: OSError) -> str:
+        if disk_full(e):
+            fix = "free space on that disk or choose a directory on another one"
+        elif e.errno in (errno.EEXIST, errno.ENOTDIR):
+            fix = "a file is in the way: remove it or choose another directory"
+        else:
+            fix = "choose a directory you can write to (or fix its permissions)"
+        return f"training.output_dir: cannot use {self.path}: {describe_os_error(e)}; {fix}"
 
     def set_aside_events(self, resuming: bool) -> Path | None:
         """A fresh run (not a resume) into a directory that holds an earlier run's `stability_events.jsonl`:
@@ -65,37 +134,98 @@ class OutputDir:
         return self.path / name
 
     def _write_json(self, name: str, data) -> None:
+        self._write_text(name, json.dumps(data, indent=2, ensure_ascii=False, default=str))
+
+    def _write_text(self, name: str, text: str) -> None:
+        """Atomic write (temporary file + rename); the temporary file never outlives a failed write."""
         tmp = self.path / f".{name}.tmp"
-        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str))
-        tmp.replace(self.path / name)
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(self.path / name)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+
+    def _overwrite(self, name: str, text: str) -> None:
+        # In place, within the blocks the small file already has: what still works on a full disk.
+        with open(self.path / name, "r+b") as fh:
+            fh.write(text.encode("utf-8"))
+            fh.truncate()
 
     def finish(self, summary: dict) -> None:
         if is_main_process():
             self._write_json(SUMMARY_FILE, summary)
             (self.path / INCOMPLETE_FILE).unlink(missing_ok=True)
 
-    def fail(self, error: BaseException) -> None:
-        if is_main_process() and self.path.is_dir():
-            self._write_json(
-                INCOMPLETE_FILE,
-                {"status": "failed", "started": self.started, "error": f"{type(error).__name__}: {error}"},
-            )
+    def fail(self, error: BaseException) -> str | None:
+        """Record `error` in RUN_INCOMPLETE.json (main process). Never raises: returns why it could not be
+        recorded, or None."""
+        if not is_main_process() or not self.path.is_dir():
+            return None
+        text = json.dumps(
+            {"status": "failed", "started": self.started, "error": f"{type(error).__name__}: {error}"[:2000]},
+            indent=2,
+            ensure_ascii=False,
+        )
+        try:
+            self._write_text(INCOMPLETE_FILE, text)
+            return None
+        except OSError as e:
+            first = e
+        try:
+            self._overwrite(INCOMPLETE_FILE, text)
+            return None
+        except OSError:
+            return f"could not record the failure in {self.path / INCOMPLETE_FILE}: {describe_os_error(first)}"
+
+    def resume_hint(self) -> str:
+        """Which checkpoint the same command would resume from (for a message after a failure)."""
+        from hf_stable.checkpoints import is_complete, list_checkpoints
+
+        try:  # quietly: the failure is the first thing to report, not the incomplete checkpoint it left
+            found = next((c for c in reversed(list_checkpoints(self.path)) if is_complete(c)), None)
+        except OSError:
+            found = None
+        return f"it resumes from {found.name}" if found else "it starts from the beginning (no complete checkpoint)"
+
+    def free_space(self) -> str:
+        try:
+            return f"{shutil.disk_usage(self.path).free / 2**20:.0f} MiB free"
+        except OSError:
+            return "free space unknown"
 
 
 @contextlib.contextmanager
 def error_boundary(output: OutputDir | None = None):
     """Turn `HfStableError` into one clear line on stderr and exit code 2 (no traceback wall).
 
-    Any other exception is a bug: it is recorded in the output dir and re-raised with its traceback.
+    A full disk (ENOSPC / EDQUOT, however the library that hit it wraps it) is reported first, in one line
+    naming the error, the free space and the checkpoint a rerun resumes from, with exit code 1 and no
+    traceback. Any other exception is a bug: it is recorded in the output dir and re-raised with its traceback.
     """
     try:
         yield
     except HfStableError as e:
-        if output is not None:
-            output.fail(e)
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # an output dir that cannot be written cannot record its own failure either: the message says so already
+        note = output.fail(e) if output is not None and not isinstance(e, OutputDirError) else None
+        print(f"error: {e}" + (f"\n  ({note})" if note else ""), file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except (SystemExit, KeyboardInterrupt):
+        raise
     except BaseException as e:
-        if output is not None and not isinstance(e, SystemExit):
-            output.fail(e)
+        if output is not None and disk_full(e):
+            print(
+                f"error: the disk is full ({type(e).__name__}: {str(e)[:500]}); {output.free_space()} under "
+                f"{output.path}. Free space and rerun the same command: {output.resume_hint()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            note = output.fail(e)
+            if note:
+                print(f"  ({note})", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        note = output.fail(e) if output is not None else None
+        if note:
+            print(f"hf_stable: {note}", file=sys.stderr, flush=True)
         raise

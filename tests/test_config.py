@@ -107,3 +107,45 @@ def test_config_reference_doc_is_current():
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
     assert doc.read_text(encoding="utf-8") == render(), "regenerate: python -m hf_stable.config.reference > docs/CONFIG.md"
+
+
+def test_yaml_alias_bomb_is_refused_in_any_section_without_expanding_it(tmp_path):
+    import time
+
+    levels = ['  a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    levels += [f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    for section in ("lora:\n  target_modules: *a8", "training:\n  report_to: *a8", "data:\n  extra: *a8"):
+        bomb = tmp_path / "bomb.yaml"
+        bomb.write_text("# bomb\nanchors:\n" + "\n".join(levels) + f"\n{section}\n")
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match=r"anchors\.a5 expands to 597,871 values through YAML anchors"):
+            load_config(bomb)
+        assert time.monotonic() - started < 5
+    endless = tmp_path / "endless.yaml"
+    endless.write_text("# t\nlora:\n  target_modules: &a [q_proj, *a]\n")
+    with pytest.raises(ConfigError, match="lora.target_modules expands to an endless recursive alias"):
+        load_config(endless)
+    with pytest.raises(ConfigError, match="expands to an endless"):  # an override on the command line too
+        load_config(argv=["--lora.target_modules", "&a [x, *a]"])
+
+
+def test_config_checks_run_at_load_and_can_be_deferred():
+    argv = ["--training.per_device_train_batch_size", "0", "--training.dataloader_num_workers", "-1",
+            "--training.num_train_epochs", "0", "--training.max_steps", "-1", "--training.report_to", "nope"]
+    with pytest.raises(ConfigError) as err:
+        load_config(argv=argv)
+    assert err.value.problems == [
+        "training.per_device_train_batch_size: got 0, must be >= 1",
+        "training.num_train_epochs: got 0.0, must be > 0 (or set training.max_steps > 0)",
+        "training.dataloader_num_workers: got -1, must be >= 0",
+        err.value.problems[3],
+    ] and "training.report_to: 'nope' is not an integration" in err.value.problems[3]
+    cfg = load_config(argv=argv, check=False)  # the doctor reports them as findings instead
+    assert cfg.training["per_device_train_batch_size"] == 0
+
+
+def test_a_huge_value_in_a_message_is_cut():
+    with pytest.raises(ConfigError) as err:
+        load_config(argv=["--lora.r", "x" * 100_000])
+    (line,) = err.value.problems
+    assert line.startswith("lora.r: got 'xxx") and "expected an integer" in line and len(line) < 200

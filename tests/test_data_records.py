@@ -145,3 +145,35 @@ def test_cleaning_counts_per_field_and_keeps_bom_free_first_line(tmp_path):
 def test_clean_false_keeps_text(tmp_path):
     path = write_lines(tmp_path / "d.jsonl", [{"instruction": "a\u200b", "output": "b"}])
     assert read_records(path, clean=False).records[0].data["instruction"] == "a\u200b"
+
+
+def test_lone_surrogate_is_a_bad_line_but_a_surrogate_pair_is_text(tmp_path):
+    lone = '{"instruction": "1 + 1?", "output": "2 \\ud800"}'
+    pair = '{"instruction": "smile", "output": "\\ud83d\\ude00"}'  # one emoji, written as a UTF-16 pair
+    path = write_lines(tmp_path / "d.jsonl", [GOOD, pair, lone])
+    with pytest.raises(DataError, match=r"d\.jsonl:3: field 'output' holds a lone surrogate \\ud800 at character 2"):
+        read_records(path)
+    result = read_records(path, on_bad_record="skip")
+    assert [r.line for r in result.records] == [1, 2] and result.records[1].data["output"] == "\U0001f600"
+    assert dict(result.skipped) == {"invalid_unicode": 1}
+
+
+def test_answer_empty_after_cleaning_is_dropped_and_counted_or_an_error(tmp_path, tokenizer):
+    from hf_stable.data import audit_markdown
+
+    empty = [
+        {"instruction": "say nothing", "input": "", "output": "  \n\t "},
+        {"instruction": "invisible", "input": "", "output": "\u200b\u2060\x07"},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\ufeff "}]},
+    ]
+    path = write_lines(tmp_path / "d.jsonl", [GOOD, *empty[:2], GOOD])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: field 'output' is empty after cleaning"):
+        read_records(path)
+    cfg = DataConfig(train_file=path, eval_file=None, on_bad_record="skip")
+    data = build_data(cfg, tokenizer)
+    audit = data.audit["train"]
+    assert (audit["n_records"], audit["n_kept"], audit["dropped_reasons"]) == (4, 2, {"empty_answer": 2})
+    assert "empty_answer: 2" in audit_markdown(audit)  # what the model card shows
+    chat = write_lines(tmp_path / "c.jsonl", [empty[2]])
+    with pytest.raises(DataError, match=r"c\.jsonl:1: the last message's content is empty after cleaning"):
+        read_records(chat)

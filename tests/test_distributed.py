@@ -11,17 +11,22 @@ import math
 
 import pytest
 import torch
-from dist_scripts.harness import PROBE_INPUT_IDS, launch, load_adapter, recipe_args, strip_timing
+from dist_scripts.harness import (
+    CPU,
+    PROBE_INPUT_IDS,
+    ddp_args,
+    ddp_reference_run,
+    launch,
+    load_adapter,
+    recipe_args,
+    strip_timing,
+)
 
 from hf_stable.checkpoints import MARKER_FILE, checkpoint_problems
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(400)]
 
-CPU = ["--training.use_cpu", "true"]  # without it TrainingArguments runs each CPU process alone (see prepare_launch)
 VOLATILE = ("perf/", "mem/", "hw/")
-# thresholds inside the tiny run's gradient-norm range, so a guard skips steps and a monitor alerts: decisions
-# that must come out the same on both ranks (they read all-reduced values)
-DECISIONS = ["--stability.guards.skip.grad_norm_max", "1.2", "--stability.monitors.grad.explosion_norm", "1.1"]
 
 
 def _stable_logs(history: list[dict]) -> list[dict]:
@@ -56,20 +61,17 @@ def _peft_names(tensors: dict) -> dict:
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "out"
-    args = recipe_args(out, steps=6, n_train=96) + CPU + DECISIONS  # 96 rows / (2 ranks x 8) = 6 steps = 1 epoch
+    args = ddp_args(out)
     first = launch(args, out, nproc=2, fault="sigterm:2:1", tag="first")
     # the relaunch uses the CPU accelerate config, which must start two real ranks too
     second = launch(args, out, nproc=2, tag="second", accelerate_config="configs/accelerate/cpu-2proc.yaml")
     return out, first, second
 
 
-def test_ddp_preempted_and_resumed_run_equals_an_uninterrupted_one(ddp, tmp_path):
+def test_ddp_preempted_and_resumed_run_equals_an_uninterrupted_one(ddp):
     out, _, second = ddp
     assert second.returncode == 0, second.tail()
-    ref = tmp_path / "out"
-    straight = launch(recipe_args(ref, steps=6, n_train=96) + CPU + DECISIONS, ref, nproc=2)
-    assert straight.returncode == 0, straight.tail()
-    a, b = load_adapter(out), load_adapter(ref)
+    a, b = load_adapter(out), load_adapter(ddp_reference_run().out)
     assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise, across a preemption on 2 ranks
 
 

@@ -111,7 +111,7 @@ def test_lion_wants_a_smaller_lr_than_adamw():
 @pytest.mark.parametrize("guard,severity", [("clamp", "info"), ("warn", "warning"), ("error", "error")])
 def test_fp16_adam_eps_severity_follows_the_guard(guard, severity):
     argv = ["--training.fp16", "true", "--training.adam_epsilon", "1e-8", "--optim.fp16_eps_guard", guard]
-    cfg = load_config(DEFAULT_CONFIG, argv)
+    cfg = load_config(DEFAULT_CONFIG, argv, check=False)  # with guard "error", load_config itself refuses it
     assert [f.severity for f in check_fp16_eps(cfg, resolve_settings(cfg))] == [severity]
     fine = load_config(DEFAULT_CONFIG, [*argv[:2], "--training.adam_epsilon", "1e-6"])
     assert check_fp16_eps(fine, resolve_settings(fine)) == []
@@ -191,3 +191,14 @@ def test_numa_helpers_read_sysfs(tmp_path):
     (node / "cpulist").write_text("16-31\n")
     assert numa_cpus("00000000:3B:00.0", sysfs=tmp_path) == (1, set(range(16, 32)))
     assert numa_cpus("00000000:AA:00.0", sysfs=tmp_path) == (None, None)
+
+
+def test_config_time_problems_are_blocking_findings(workdir, capsys):
+    """What `load_config` refuses (hf_stable.config.checks) the doctor reports as blocking, exit code 1."""
+    broken = tiny_args(workdir, "llama", "--training.per_device_train_batch_size", "0",
+                       "--training.report_to", "[none_such]", "--stability.guards.batch_warmup.enabled", "true")
+    assert main(["--config", str(DEFAULT_CONFIG), *broken, "--no-dry-run", "--json"]) == 1
+    findings = [f for f in strict_json(capsys.readouterr().out)["findings"] if f["check"] == "hazards.config"]
+    assert {f["evidence"] for f in findings} == {"training.per_device_train_batch_size", "training.report_to",
+                                                 "training.max_steps"}  # fmt: skip
+    assert all(f["severity"] == "error" for f in findings)

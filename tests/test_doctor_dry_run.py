@@ -93,7 +93,7 @@ def test_dry_run_names_frozen_and_dead_parameters(setup):
 def test_preflight_refuses_to_start_unless_overridden(setup):
     tmp, _, base, tok, data = setup
     argv = ["--training.fp16", "true", "--training.adam_epsilon", "1e-8", "--optim.fp16_eps_guard", "error"]
-    cfg = load_config(DEFAULT_CONFIG, tiny_args(tmp, "llama", *argv))
+    cfg = load_config(DEFAULT_CONFIG, tiny_args(tmp, "llama", *argv), check=False)  # the recipe refuses it at load
     args = resolve_settings(cfg).args
     model = fresh_model(cfg, base)
     with pytest.raises(DoctorBlockingError, match="hazards.fp16_adam_eps"):

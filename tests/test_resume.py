@@ -188,3 +188,88 @@ def test_a_fresh_run_sets_an_earlier_runs_events_aside_and_a_resume_keeps_them(t
     second = out.set_aside_events(resuming=False)  # same second: never overwrites the first
     assert second != moved and moved.is_file() and second.is_file()
     assert out.set_aside_events(resuming=False) is None  # nothing left to move
+
+
+# ---- a full disk: the original error first, the run marked failed, no litter, the last complete checkpoint kept ----
+
+
+def _litter(out: Path) -> list[str]:
+    return [str(p) for p in out.rglob("*.tmp")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_disk_full_during_a_checkpoint_then_rerun_resumes_from_the_last_complete_one(tmp_path):
+    base = baseline_run()
+    out = tmp_path / "out"
+    args = recipe_args(out, save_steps=2)
+
+    full = launch(args, out, fault="enospc:4")  # checkpoint-2 saved; the disk fills up as checkpoint-4 starts
+    assert full.returncode == 1, full.tail()
+    assert "Traceback" not in full.stderr and "During handling" not in full.stderr
+    errors = [line for line in full.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "it resumes from checkpoint-2" in errors[0]
+    assert errors[0] in full.stderr.split("not resuming from")[0]  # reported first, before anything about it
+    status = json.loads((out / "RUN_INCOMPLETE.json").read_text())  # written in place: the disk had no room
+    assert status["status"] == "failed" and "No space left on device" in status["error"]
+    assert _litter(out) == [] and not (out / "run_summary.json").exists()
+    assert latest_complete_checkpoint(out) == out / "checkpoint-2"  # the half-written checkpoint-4 is skipped
+
+    resumed = launch(args, out, tag="resume")
+    assert resumed.returncode == 0, resumed.tail()
+    assert "resuming from" in resumed.output and "checkpoint-2" in resumed.output
+    _assert_same_adapter(load_adapter(out), load_adapter(base.out))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_disk_full_during_the_final_save(tmp_path):
+    out = tmp_path / "out"
+    full = launch(recipe_args(out, save_steps=2), out, fault="enospc:final")
+    assert full.returncode == 1, full.tail()
+    assert "Traceback" not in full.stderr
+    (error,) = [line for line in full.stderr.splitlines() if line.startswith("error:")]
+    assert "No space left on device" in error and "it resumes from checkpoint-8" in error
+    assert json.loads((out / "RUN_INCOMPLETE.json").read_text())["status"] == "failed"
+    assert _litter(out) == [] and not (out / "run_summary.json").exists()
+    assert latest_complete_checkpoint(out) == out / "checkpoint-8"
+
+
+def test_output_dir_writes_leave_no_temporary_file_and_failures_are_recorded_in_place(tmp_path, monkeypatch):
+    import errno
+    import io
+
+    from hf_stable.outputs import INCOMPLETE_FILE, OutputDir, disk_full, error_boundary
+
+    out = OutputDir(tmp_path / "run").start({"lora": {"r": 4}})
+    real_open = io.open
+
+    def full_disk(file, mode="r", *args, **kwargs):  # new data cannot be written; in-place overwrites can
+        if any(c in mode for c in "wax"):
+            real_open(file, mode, *args, **kwargs).close()
+            raise OSError(errno.ENOSPC, "No space left on device", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", full_disk)
+    monkeypatch.setattr("builtins.open", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        out.write_json("optimizer_groups.json", [])
+    assert _litter(out.path) == [] and not (out.path / "optimizer_groups.json").exists()
+
+    failure = RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, .. })")
+    assert disk_full(failure) and not disk_full(RuntimeError("shape mismatch"))
+    with pytest.raises(SystemExit) as stop, error_boundary(out):
+        raise failure
+    assert stop.value.code == 1
+    monkeypatch.undo()
+    assert json.loads((out.path / INCOMPLETE_FILE).read_text())["status"] == "failed"
+
+    def nothing_writable(file, mode="r", *args, **kwargs):
+        if mode != "r" and mode != "rb":
+            raise OSError(errno.EROFS, "Read-only file system", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", nothing_writable)
+    monkeypatch.setattr("builtins.open", nothing_writable)
+    note = out.fail(ValueError("x"))  # never raises: says why the failure could not be recorded
+    assert note is not None and "EROFS" in note and INCOMPLETE_FILE in note

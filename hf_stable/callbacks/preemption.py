@@ -11,7 +11,9 @@ exits with `exit_code` (default 143 = 128 + SIGTERM), so the recipe does not eva
 for a half-trained model and the scheduler / torchrun restarts the job, which resumes (`runtime.resume: auto`).
 
 The grace period must cover the rest of one optimizer step plus one checkpoint save. A second copy of the
-same signal gives up and lets the previous handler (normally: die) run.
+same signal within `DUPLICATE_SECONDS` is the same request arriving twice (a process-group kill plus the
+launcher forwarding it, see `hf_stable.launcher`) and is ignored; a later one gives up and lets the previous
+handler (normally: die) run.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.distributed import all_reduce_flag, shutdown
 from hf_stable.logging import get_logger, print_main
 
 logger = get_logger(__name__)
+
+DUPLICATE_SECONDS = 5.0
 
 
 class PreemptionCallback(StabilityCallback):
@@ -51,6 +56,7 @@ class PreemptionCallback(StabilityCallback):
         self.exit_code = int(exit_code)
         self._signums = [self._signum(name) for name in self.signals]
         self._received: int | None = None
+        self._received_at = 0.0
         self._previous: dict[int, object] = {}
         self._stopped_at: int | None = None
         self._preemptions = 0
@@ -71,6 +77,11 @@ class PreemptionCallback(StabilityCallback):
     def stopped_at(self) -> int | None:
         return self._stopped_at
 
+    @property
+    def pending(self) -> bool:
+        """True when a signal arrived that the next optimizer-step boundary will act on."""
+        return self._received is not None and self._stopped_at is None
+
     def state_dict(self) -> dict:
         return {"preemptions": self._preemptions}
 
@@ -82,6 +93,8 @@ class PreemptionCallback(StabilityCallback):
         # Only set a flag: the handler runs between two bytecodes of the training step, anything more
         # (a collective, a save) could run in the middle of a backward pass.
         if self._received == signum:
+            if time.monotonic() - self._received_at < DUPLICATE_SECONDS:
+                return
             previous = self._previous.get(signum, signal.SIG_DFL)
             signal.signal(signum, previous)
             if callable(previous):
@@ -89,7 +102,7 @@ class PreemptionCallback(StabilityCallback):
             else:
                 os.kill(os.getpid(), signum)
             return
-        self._received = signum
+        self._received, self._received_at = signum, time.monotonic()
 
     def _install(self) -> None:
         if threading.current_thread() is not threading.main_thread():

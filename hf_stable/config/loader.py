@@ -3,11 +3,17 @@
 The machinery is generic: a section is a plain dataclass whose fields carry `metadata={"help": ...}`
 and may define `validate() -> list[str]` for rules that types cannot express. Type checks (including
 `Literal` choices), unknown keys and the section's own rules are all collected before raising.
+
+YAML anchors and aliases (`&a` / `*a`) share one object however often it is referenced, so nine levels of nine
+aliases load in microseconds but stand for 9**9 values: anything that walks the tree (a message showing a
+value, `dataclasses.asdict`) would then run for hours. `check_size` refuses a tree with more than
+`MAX_CONFIG_VALUES` values counted with repetition, and messages show values through `show` (a bounded repr).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -18,6 +24,61 @@ import yaml
 from hf_stable.errors import ConfigError
 
 _MISSING = object()
+MAX_CONFIG_VALUES = 100_000  # a real recipe holds a few hundred
+_ENDLESS = 10**18
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 80, 80, 6, 6, 3
+
+
+def show(value: Any) -> str:
+    """`repr(value)` cut to a few dozen characters, in time bounded whatever the value's size."""
+    return _REPR.repr(value)
+
+
+def _expanded_size(node: Any, memo: dict[int, int], active: set[int]) -> int:
+    """Values in `node` counted with repetition (a shared sub-tree each time it occurs); a cycle is endless."""
+    if not isinstance(node, (dict, list)):
+        return 1
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in active:  # a recursive alias (`&a [*a]`)
+        return _ENDLESS
+    active.add(key)
+    children = node.values() if isinstance(node, dict) else node
+    total = min(_ENDLESS, 1 + sum(_expanded_size(child, memo, active) for child in children))
+    active.discard(key)
+    memo[key] = total
+    return total
+
+
+def check_size(data: Any, where: str) -> None:
+    """Refuse a config tree that expands to more than `MAX_CONFIG_VALUES` values (a YAML alias bomb).
+
+    Raises:
+        ConfigError: naming `where` and the innermost key whose expansion alone is too large.
+    """
+    memo: dict[int, int] = {}
+    if _expanded_size(data, memo, set()) <= MAX_CONFIG_VALUES:
+        return
+    path, node, seen = [], data, {id(data)}
+    while True:  # walk down to the innermost key that is still too large on its own
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        big = next(((k, v) for k, v in items if memo.get(id(v), 1) > MAX_CONFIG_VALUES), None)
+        if big is None or id(big[1]) in seen:  # the end, or the recursion closes
+            break
+        seen.add(id(big[1]))
+        path.append(str(big[0]))
+        node = big[1]
+    size = memo[id(node)]
+    amount = "an endless recursive alias" if size >= _ENDLESS else f"{size:,} values"
+    raise ConfigError(
+        f"{where}: {'.'.join(path) or 'the top level'} expands to {amount} through YAML anchors/aliases "
+        f"(&name / *name), more than the {MAX_CONFIG_VALUES:,} a config may hold; write the values out or nest "
+        "fewer aliases",
+        source=where,
+    )
 
 
 def _type_name(tp: Any) -> str:
@@ -54,23 +115,23 @@ def coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
             out = coerce(value, arg, key, trial)
             if not trial:
                 return out
-        problems.append(f"{key}: got {value!r}, expected {_type_name(tp)}")
+        problems.append(f"{key}: got {show(value)}, expected {_type_name(tp)}")
         return _MISSING
     if origin is Literal:
         if value in get_args(tp):
             return value
-        problems.append(f"{key}: got {value!r}, allowed: {_type_name(tp)}")
+        problems.append(f"{key}: got {show(value)}, allowed: {_type_name(tp)}")
         return _MISSING
     if origin is list:
         (inner,) = get_args(tp) or (Any,)
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            problems.append(f"{key}: got {value!r}, expected {_type_name(tp)}")
+            problems.append(f"{key}: got {show(value)}, expected {_type_name(tp)}")
             return _MISSING
         out = [coerce(v, inner, f"{key}[{i}]", problems) for i, v in enumerate(value)]
         return _MISSING if any(v is _MISSING for v in out) else out
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            problems.append(f"{key}: got {value!r}, expected a mapping")
+            problems.append(f"{key}: got {show(value)}, expected a mapping")
             return _MISSING
         args = get_args(tp)
         if len(args) == 2:
@@ -81,18 +142,18 @@ def coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            problems.append(f"{key}: got {value!r}, expected {_type_name(tp)}")
+            problems.append(f"{key}: got {show(value)}, expected {_type_name(tp)}")
             return _MISSING
         return build_section(tp, value, key, problems)
     if tp is bool:
         if isinstance(value, bool):
             return value
-        problems.append(f"{key}: got {value!r}, expected true or false")
+        problems.append(f"{key}: got {show(value)}, expected true or false")
         return _MISSING
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        problems.append(f"{key}: got {value!r}, expected an integer")
+        problems.append(f"{key}: got {show(value)}, expected an integer")
         return _MISSING
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -102,12 +163,12 @@ def coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        problems.append(f"{key}: got {value!r}, expected a number")
+        problems.append(f"{key}: got {show(value)}, expected a number")
         return _MISSING
     if tp is str:
         if isinstance(value, str):
             return value
-        problems.append(f"{key}: got {value!r}, expected a string")
+        problems.append(f"{key}: got {show(value)}, expected a string")
         return _MISSING
     return value
 
@@ -200,6 +261,7 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})", source=str(path)) from None
     if data is None:
         data = {}
+    check_size(data, str(path))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data

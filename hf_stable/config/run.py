@@ -18,7 +18,7 @@ from hf_stable.config.attention import AttentionConfig
 from hf_stable.config.data import DataConfig
 from hf_stable.config.doctor import DoctorConfig
 from hf_stable.config.evaluation import EvaluationConfig
-from hf_stable.config.loader import build_section, coerce, parse_overrides, read_yaml, set_dotted
+from hf_stable.config.loader import build_section, check_size, coerce, parse_overrides, read_yaml, set_dotted
 from hf_stable.config.model import LoraSection, ModelConfig
 from hf_stable.config.optim import OptimConfig
 from hf_stable.config.runtime import RuntimeConfig
@@ -56,6 +56,19 @@ class RunConfig:
         return out
 
 
+def training_defaults() -> dict[str, Any]:
+    """Every TrainingArguments field's default value (what a key missing from `training:` means)."""
+    from transformers import TrainingArguments
+
+    out = {}
+    for f in dataclasses.fields(TrainingArguments):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
 def _training_field_types() -> dict[str, Any]:
     from transformers import TrainingArguments
 
@@ -87,6 +100,12 @@ def _check_training(training: dict, problems: list[str]) -> dict:
 
 
 def config_from_dict(data: dict, source: str | None = None) -> RunConfig:
+    """Type-check `data` (a recipe mapping) into a `RunConfig`.
+
+    Raises:
+        ConfigError: every unknown key, wrong type and bad value at once; or a tree too large to read (aliases).
+    """
+    check_size(data, source or "config")
     problems: list[str] = []
     cfg = build_section(RunConfig, data, "", problems)
     if cfg is not None and not isinstance(cfg, RunConfig):
@@ -125,8 +144,13 @@ def read_recipe(path: Path, _seen: tuple = ()) -> dict:
     return _deep_merge(read_recipe(parent_path, (*_seen, parent_path)), data)
 
 
-def load_config(path: str | Path | None = None, argv: list[str] | None = None) -> RunConfig:
+def load_config(path: str | Path | None = None, argv: list[str] | None = None, check: bool = True) -> RunConfig:
     """Load a YAML recipe (default `configs/default.yaml`) and apply `--section.key value` overrides.
+
+    Args:
+        check: also run every check that needs only the config (`hf_stable.config.checks`): sizes and steps,
+            `report_to` integrations installed, guards that need `max_steps`, optimizer values. The doctor
+            passes False and reports them as findings instead.
 
     Raises:
         ConfigError: listing every unknown key, wrong type and bad value at once.
@@ -136,7 +160,12 @@ def load_config(path: str | Path | None = None, argv: list[str] | None = None) -
     data = read_recipe(path.resolve() if path.exists() else path)
     for key, value in overrides:
         set_dotted(data, key, value)
-    return config_from_dict(data, source=str(path))
+    cfg = config_from_dict(data, source=str(path))
+    if check:
+        from hf_stable.config.checks import check_config
+
+        check_config(cfg)
+    return cfg
 
 
 def training_arguments(cfg: RunConfig, **forced: Any):

@@ -25,7 +25,8 @@ class PreemptionConfig:
         default_factory=lambda: ["SIGTERM"],
         metadata=_h(
             "Signals that request a checkpoint-and-stop (SLURM `--signal=USR1@120` sends SIGUSR1; Kubernetes and "
-            "torchrun send SIGTERM). A second identical signal kills the process the usual way."
+            "torchrun send SIGTERM). The launcher (`accelerate launch`, `torchrun`) forwards them to the workers. A "
+            "second identical signal more than 5 s after the first kills the process the usual way."
         ),
     )
     exit_code: int = field(
@@ -36,8 +37,20 @@ class PreemptionConfig:
         ),
     )
 
+    grace_seconds: int = field(
+        default=120,
+        metadata=_h(
+            "How long torch elastic (`torchrun`, `accelerate launch` with several processes) waits for the workers "
+            "to finish their step and save after forwarding a signal, before it kills them (sets "
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT unless already set). Make it cover one step plus one save; it is also "
+            "how long a crashed rank can keep the others waiting before the job ends."
+        ),
+    )
+
     def validate(self) -> list[str]:
         out = []
+        if self.grace_seconds <= 0:
+            out.append(f"grace_seconds: got {self.grace_seconds}, must be > 0")
         bad = [s for s in self.signals if s not in SIGNAL_NAMES]
         if bad:
             out.append(f"signals: got {bad}, allowed: {', '.join(SIGNAL_NAMES)}")

@@ -12,20 +12,28 @@ Accepted records:
     chat:   ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...], ...}``
             where the last message is the assistant answer to learn.
 Blank lines are ignored (and counted); a UTF-8 BOM at the start of the file is dropped.
+
+Also bad (an error naming file:line, or skipped and counted by reason): a string holding a lone UTF-16
+surrogate (``"\\ud800"`` is valid JSON but not Unicode text, and tokenizers reject it), and a record whose
+answer is empty after cleaning (only whitespace, zero-width or control characters), which would otherwise be
+trained as "answer: EOS".
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_stable.data.cleaning import CleaningStats, clean_record
+from hf_stable.data.prompts import answer_text
 from hf_stable.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 _MAX_EXAMPLES = 20
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate gets into valid UTF-8 JSON text
 
 
 @dataclass
@@ -116,6 +124,23 @@ def check_chat(obj: dict) -> dict:
     return obj
 
 
+def _lone_surrogate(value, where: str) -> tuple[str, int, str] | None:
+    """(field, character index, the character) of the first unpaired surrogate in the strings of `value`."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return where, e.start, value[e.start]
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in items:
+        sub = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+        found = _lone_surrogate(child, sub)
+        if found:
+            return found
+    return None
+
+
 def _parse_line(raw: bytes, fmt: str) -> tuple[dict, str]:
     try:
         text = raw.decode("utf-8")
@@ -127,6 +152,11 @@ def _parse_line(raw: bytes, fmt: str) -> tuple[dict, str]:
         raise _Bad("invalid_json", f"malformed JSON: {e.msg} at column {e.colno}")
     if not isinstance(obj, dict):
         raise _Bad("not_an_object", f"each line must be a JSON object, got {_type_name(obj)}")
+    found = _lone_surrogate(obj, "") if _SURROGATE_ESCAPE.search(raw) else None
+    if found:
+        name, pos, char = found
+        raise _Bad("invalid_unicode", f"field '{name}' holds a lone surrogate \\u{ord(char):04x} at character {pos} "
+                   "(an unpaired UTF-16 escape: valid JSON, not text); fix the escape or remove the character")
     this = record_format(obj)
     if this is None:
         raise _Bad("missing_field", "record has neither 'messages' (chat) nor 'instruction'/'output' (alpaca)")
@@ -180,6 +210,12 @@ def read_records(
         result.n_lines += 1
         try:
             obj, this = _parse_line(line, fmt)
+            if clean:
+                obj = clean_record(obj, result.cleaning)
+            if not answer_text(obj):
+                field_name = "the last message's content" if this == "chat" else "field 'output'"
+                raise _Bad("empty_answer", f"{field_name} is empty after cleaning (only whitespace, zero-width or "
+                           "control characters): the sample would teach nothing but EOS")
         except _Bad as bad:
             msg = f"{path_s}:{lineno}: {bad}"
             if on_bad_record != "skip":
@@ -190,8 +226,6 @@ def read_records(
             continue
         if fmt == "auto":
             fmt = this
-        if clean:
-            obj = clean_record(obj, result.cleaning)
         result.records.append(Record(obj, path_s, lineno))
     result.format = fmt
     if result.n_lines == 0:

@@ -36,6 +36,22 @@ def _crash(check: str, what: str, e: BaseException) -> Finding:
     return Finding("error", what, f"{type(e).__name__}: {e}{loc}", "report this with the config attached", check=check)
 
 
+def config_findings(cfg) -> list[Finding]:
+    """The checks `load_config` runs (`hf_stable.config.checks`), one blocking finding per problem."""
+    from hf_stable.config.checks import config_problems
+
+    try:
+        problems = config_problems(cfg)
+    except Exception as e:  # noqa: BLE001 - a check that crashes is a finding too
+        return [_crash("hazards.config", "the config checks failed", e)]
+    out = []
+    for problem in problems:
+        key, _, what = problem.partition(": ")
+        out.append(Finding("error", what or key, key, f"fix {key}; the recipe refuses to start until it is fixed",
+                           check="hazards.config"))  # fmt: skip
+    return out
+
+
 def run_doctor(
     cfg,
     *,
@@ -76,6 +92,7 @@ def run_doctor(
     report = DoctorReport(config_source=getattr(cfg, "source", None))
     s = resolve_settings(cfg, args, remove_unused_columns=False)
 
+    report.add(config_findings(cfg))
     try:
         env_facts, env_findings = check_environment(cfg, s, doctor)
         report.facts["environment"] = env_facts
@@ -101,7 +118,9 @@ def run_doctor(
         try:
             from hf_stable.data import build_data
 
-            data = build_data(cfg.data, tokenizer, seed=int(s.get("seed", 42)), batch_size=s.micro_batch)
+            # a batch size < 1 is a config finding already; the audit's padding simulation needs one >= 1
+            batch = max(1, s.micro_batch)
+            data = build_data(cfg.data, tokenizer, seed=int(s.get("seed", 42)), batch_size=batch)
         except Exception as e:
             report.add(_crash("hazards.data", "the training data cannot be built", e))
     if data is not None:

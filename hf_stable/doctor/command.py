@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rest.append(arg)
         i += 1
-    cfg = load_config(argv=rest)
+    cfg = load_config(argv=rest, check=False)  # what only the config shows is reported as findings below
     # Libraries print to stdout while loading (DeepSpeed's accelerator probe, say); keep stdout for the report
     # alone so `--json` output pipes straight into a parser.
     with contextlib.redirect_stdout(sys.stderr):

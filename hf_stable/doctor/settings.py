@@ -16,18 +16,6 @@ from hf_stable.config.doctor import DoctorConfig
 from hf_stable.errors import ConfigError
 
 
-def _argument_defaults() -> dict[str, Any]:
-    from transformers import TrainingArguments
-
-    out = {}
-    for f in dataclasses.fields(TrainingArguments):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
-
-
 def world_size() -> int:
     """Processes of the launch (accelerate/torchrun set WORLD_SIZE); 1 for a plain `python` run."""
     try:
@@ -101,6 +89,7 @@ def resolve_settings(cfg, args=None, **forced: Any) -> TrainingSettings:
         forced: values the recipe forces (e.g. ``remove_unused_columns=False``) when building them here.
     """
     from hf_stable.config import training_arguments
+    from hf_stable.config.run import training_defaults
 
     explicit = set(cfg.training)
     from_caller = args is not None
@@ -108,7 +97,7 @@ def resolve_settings(cfg, args=None, **forced: Any) -> TrainingSettings:
         try:
             args = training_arguments(cfg, **forced)
         except ConfigError as e:
-            values = {**_argument_defaults(), **cfg.training, **forced}
+            values = {**training_defaults(), **cfg.training, **forced}
             return TrainingSettings(values=values, explicit=explicit, args=None, error="; ".join(e.problems))
     values = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(args)}
     return TrainingSettings(values=values, explicit=explicit, args=args, from_caller=from_caller)

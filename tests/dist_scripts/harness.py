@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,8 +75,9 @@ def recipe_args(out: Path, *, steps: int = 8, n_train: int = 64, save_steps: int
 class Run:
     """The outcome of one launch: exit code, output text, and helpers to read what it wrote."""
 
-    def __init__(self, returncode: int, output: str, out: Path, probe: Path):
+    def __init__(self, returncode: int, output: str, out: Path, probe: Path, stderr: str = ""):
         self.returncode, self.output, self.out, self.probe = returncode, output, out, probe
+        self.stderr = stderr  # stderr alone (output holds stdout, then stderr)
 
     def tail(self, n: int = 6000) -> str:
         return self.output[-n:]
@@ -92,21 +94,17 @@ class Run:
         return codes
 
 
-def launch(
+def start(
     args: list[str],
     out: Path,
     *,
     nproc: int = 1,
     fault: str | None = None,
-    timeout: int = 240,
     tag: str = "probe",
     accelerate_config: str | None = None,
-) -> Run:
-    """Run the recipe (through the probe) in 1 process, or in `nproc` gloo ranks under torchrun (or under
-    `accelerate launch --config_file accelerate_config` when given).
-
-    On timeout the whole process group is killed, so no rank outlives the test.
-    """
+    launcher: str | None = None,
+) -> Launched:
+    """Start the recipe (through the probe) without waiting: see `launch`."""
     probe = out.parent / f"{out.name}_{tag}"
     env = {
         **os.environ,
@@ -120,24 +118,77 @@ def launch(
     env.pop("HF_STABLE_FAULT", None)
     if fault:
         env["HF_STABLE_FAULT"] = fault
-    if nproc == 1:
+    launcher = launcher or ("python" if nproc == 1 else "accelerate" if accelerate_config else "torchrun")
+    if launcher == "python":
         cmd = [sys.executable, str(PROBE), *args]
-    elif accelerate_config:
+    elif launcher == "accelerate" and accelerate_config:
         port = free_port()
         cmd = [str(ACCELERATE), "launch", "--config_file", str(ROOT / accelerate_config)]
         cmd += ["--num_processes", str(nproc), "--main_process_port", str(port), str(PROBE), *args]
+    elif launcher == "accelerate":  # the README's one-process launch (`make demo`)
+        cmd = [str(ACCELERATE), "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no"]
+        cmd += ["--dynamo_backend", "no", str(PROBE), *args]
     else:
         cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), str(PROBE), *args]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{output[-6000:]}") from None
-    return Run(proc.returncode, output, out, probe)
+    return Launched(proc, cmd, out, probe)
+
+
+class Launched:
+    """A running launch: its launcher process (`proc`), and `wait` for the outcome."""
+
+    def __init__(self, proc: subprocess.Popen, cmd: list[str], out: Path, probe: Path):
+        self.proc, self.cmd, self.out, self.probe = proc, cmd, out, probe
+
+    def wait_for_files(self, pattern: str, count: int, timeout: float) -> None:
+        """Wait until `count` files matching `pattern` exist in the probe dir (e.g. every rank paused)."""
+        deadline = time.monotonic() + timeout
+        while len(list(self.probe.glob(pattern))) < count:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                output = self.wait(timeout=30).output if self.proc.poll() is not None else ""
+                self.kill()
+                raise AssertionError(f"no {count} x {pattern} in {self.probe} ({' '.join(self.cmd)}):\n{output[-6000:]}")
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: int = 240) -> Run:
+        """Wait for the launcher; on timeout its whole process group is killed, so no rank outlives the test."""
+        try:
+            stdout, stderr = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            stdout, stderr = self.proc.communicate()
+            raise AssertionError(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{(stdout + stderr)[-6000:]}") from None
+        return Run(self.proc.returncode, stdout + stderr, self.out, self.probe, stderr=stderr)
+
+
+def launch(
+    args: list[str],
+    out: Path,
+    *,
+    nproc: int = 1,
+    fault: str | None = None,
+    timeout: int = 240,
+    tag: str = "probe",
+    accelerate_config: str | None = None,
+    launcher: str | None = None,
+) -> Run:
+    """Run the recipe (through the probe) in 1 process, or in `nproc` gloo ranks under torchrun (or under
+    `accelerate launch --config_file accelerate_config` when given); `launcher="accelerate"` with one process
+    runs it under `accelerate launch --num_processes 1`.
+
+    On timeout the whole process group is killed, so no rank outlives the test.
+    """
+    return start(
+        args, out, nproc=nproc, fault=fault, tag=tag, accelerate_config=accelerate_config, launcher=launcher
+    ).wait(timeout)
 
 
 def load_adapter(folder: Path) -> dict:
@@ -155,6 +206,50 @@ def strip_timing(state: dict) -> dict:
     out = json.loads(json.dumps(state))
     out.get("ThroughputMonitor", {}).pop("totals", None)
     return out
+
+
+def signal_launcher(args: list[str], out: Path, sig: int, *, after_step: int, nproc: int = 1, tag: str, **kw) -> dict:
+    """Start a launch, wait until every rank ends step `after_step` (the probe's `pause:` fault holds it there),
+    send `sig` to the launcher process only (as Kubernetes does), and wait for the launch to end.
+
+    Returns:
+        {"run": Run, "workers": worker pids, "seconds": from the signal to the end of the launch,
+         "status": RUN_INCOMPLETE.json right after it (None when absent)}.
+    """
+    started = start(args, out, nproc=nproc, fault=f"pause:{after_step}", tag=tag, **kw)
+    started.wait_for_files("paused_rank*", nproc, timeout=300)
+    workers = [int(f.read_text()) for f in started.probe.glob("paused_rank*")]
+    os.kill(started.proc.pid, sig)
+    signalled = time.monotonic()
+    run = started.wait(timeout=300)
+    status = out / "RUN_INCOMPLETE.json"
+    return {
+        "run": run,
+        "workers": workers,
+        "seconds": time.monotonic() - signalled,
+        "status": json.loads(status.read_text()) if status.is_file() else None,
+    }
+
+
+CPU = ["--training.use_cpu", "true"]  # without it TrainingArguments runs each CPU process alone (see prepare_launch)
+# thresholds inside the tiny run's gradient-norm range, so a guard skips steps and a monitor alerts: decisions
+# that must come out the same on both ranks (they read all-reduced values)
+DECISIONS = ["--stability.guards.skip.grad_norm_max", "1.2", "--stability.monitors.grad.explosion_norm", "1.1"]
+
+
+def ddp_args(out: Path) -> list[str]:
+    """The two-rank run: 96 rows / (2 ranks x 8) = 6 steps = 1 epoch."""
+    return recipe_args(out, steps=6, n_train=96) + CPU + DECISIONS
+
+
+@functools.cache
+def ddp_reference_run() -> Run:
+    """The uninterrupted two-rank reference (`ddp_args`, torchrun), shared by the tests that preempt it."""
+    out = session_dir() / "ddp_reference" / "out"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run = launch(ddp_args(out), out, nproc=2)
+    assert run.returncode == 0, run.tail()
+    return run
 
 
 @functools.cache

@@ -10,7 +10,16 @@ Environment:
     HF_STABLE_FAULT       "kill_in_save:N"     SIGKILL (kill -9) while checkpoint-N is being written: after the
                                                adapter, before optimizer / RNG / trainer_state / marker;
                           "sigterm:N"          the process sends itself SIGTERM at the end of step N;
-                          "sigterm:N:R"        only rank R does (the other ranks must follow via the all-reduce).
+                          "sigterm:N:R"        only rank R does (the other ranks must follow via the all-reduce);
+                          "pause:N"            at the end of step N every rank writes paused_rank<r> into the
+                                               probe dir and waits (up to 120 s) until a signal reached its
+                                               PreemptionCallback: the test signals the launcher meanwhile, so
+                                               the run stops after step N + 1;
+                          "enospc:N"           the disk fills up when checkpoint-N starts to be written: from
+                                               then on every new write under training.output_dir fails with
+                                               ENOSPC (a file is created, then its first write fails; only an
+                                               in-place overwrite of an existing file still works, as on a
+                                               real full disk); "enospc:final" does so at the final save.
 
 The recipe is run through `runpy`, so what runs is exactly scripts/finetune.py; the probe only adds an index
 column to the train dataset (stripped again by a wrapper around the data collator, to see which rows each rank
@@ -24,6 +33,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -92,6 +102,18 @@ class Probe(TrainerCallback):
             parts = FAULT.split(":")
             if state.global_step == int(parts[1]) and (len(parts) < 3 or _rank() == int(parts[2])):
                 os.kill(os.getpid(), signal.SIGTERM)
+        if FAULT.startswith("pause:") and state.global_step == int(FAULT.split(":")[1]):
+            self._pause()
+
+    def _pause(self) -> None:
+        from hf_stable.callbacks.preemption import find_preemption
+
+        preemption = find_preemption(self.trainer)
+        Path(PROBE_DIR).mkdir(parents=True, exist_ok=True)
+        (Path(PROBE_DIR) / f"paused_rank{_rank()}").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 120
+        while not preemption.pending and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _zero_stage(self) -> int | None:
         plugin = getattr(self.trainer.accelerator.state, "deepspeed_plugin", None)
@@ -165,6 +187,62 @@ if FAULT.startswith("kill_in_save:"):
         return _original_save_opt(self, output_dir)
 
     transformers.Trainer._save_optimizer_and_scheduler = _save_opt_then_die
+
+
+if FAULT.startswith("enospc:"):
+    import builtins
+    import errno
+    import io
+
+    import safetensors.torch
+
+    _when = FAULT.split(":")[1]
+    _full = {"on": False}
+    _out = Path(sys.argv[sys.argv.index("--training.output_dir") + 1]).resolve()
+
+    def _filling(path) -> bool:
+        try:
+            return _full["on"] and Path(path).resolve().is_relative_to(_out)
+        except (TypeError, ValueError, OSError):
+            return False
+
+    def _no_space(path):
+        return OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    def _full_open(opener):
+        def open_(file, mode="r", *args, **kwargs):
+            if any(c in mode for c in "wax") and not isinstance(file, int) and _filling(file):
+                opener(file, mode, *args, **kwargs).close()  # creating the file works; writing its data does not
+                raise _no_space(file)
+            return opener(file, mode, *args, **kwargs)
+
+        return open_
+
+    builtins.open = io.open = _full_open(builtins.open)
+    _save_file = safetensors.torch.save_file
+
+    def _full_save_file(tensors, filename, *args, **kwargs):
+        if _filling(filename):  # what the Rust writer raises on a full disk
+            Path(filename).touch()
+            raise safetensors.SafetensorError(
+                'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
+                'device" })'
+            )
+        return _save_file(tensors, filename, *args, **kwargs)
+
+    safetensors.torch.save_file = _full_save_file
+    _save_checkpoint, _save_model = transformers.Trainer._save_checkpoint, transformers.Trainer.save_model
+
+    def _checkpoint_fills_disk(self, *args, **kwargs):
+        _full["on"] = _full["on"] or str(self.state.global_step) == _when
+        return _save_checkpoint(self, *args, **kwargs)
+
+    def _final_save_fills_disk(self, output_dir=None, _internal_call=False):
+        _full["on"] = _full["on"] or (_when == "final" and not _internal_call)
+        return _save_model(self, output_dir, _internal_call)
+
+    transformers.Trainer._save_checkpoint = _checkpoint_fills_disk
+    transformers.Trainer.save_model = _final_save_fills_disk
 
 
 if any("deepspeed" in a for a in sys.argv[1:]) or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
