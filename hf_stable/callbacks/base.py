@@ -25,6 +25,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_stable.callbacks.events import write_event
+from hf_stable.callbacks.grad_stats import begin_step
 
 STATE_KEY = "hf_stable"
 
@@ -117,6 +118,9 @@ class StabilityCallback(TrainerCallback):
         saved = (state.stateful_callbacks or {}).get(STATE_KEY, {}).get(self.state_key)
         if saved is not None and state.global_step > 0:
             self.load_state_dict(saved)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        begin_step(model)  # the shared gradient statistics gather afresh this step (rank-agreed, see grad_stats)
 
     def on_step_end(self, args, state, control, **kwargs):
         self._save_into(state)
