@@ -4,14 +4,17 @@
 
 Not part of the test suite (minutes of CPU). Each run is `torchrun --standalone --nproc_per_node 2
 scripts/finetune.py --training.use_cpu true ...` with the tiny settings of tests/test_distributed.py (6 steps,
-96 rows); `--preempt` makes rank 1 receive SIGTERM at step 2 (the run must then exit 143 on both ranks, through
-the recipe's preemption path). A run that exits otherwise is printed with the tail of its output.
+96 rows); `--preempt` makes rank 1 receive SIGTERM at step 2 (through tests/dist_scripts/recipe_probe.py): both
+ranks must then exit 143 through the recipe's preemption path, as each rank records (torchrun itself exits 1 when a
+worker exits non-zero, and SIGTERMs the ranks still running). A run that ends otherwise is printed with the tail of
+its output.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import shutil
 import signal
@@ -25,6 +28,12 @@ from harness import ROOT, TORCHRUN, recipe_args, session_dir
 
 RECIPE = ROOT / "scripts" / "finetune.py"
 PROBE = Path(__file__).resolve().parent / "recipe_probe.py"
+
+
+def rank_codes(probe: Path) -> dict[int, int]:
+    """Each rank's own exit status, as recipe_probe.py records it."""
+    codes = (json.loads(f.read_text()) for f in probe.glob("exit_rank*.json"))
+    return {c["rank"]: c["code"] for c in codes}
 
 
 def run_once(out: Path, preempt: bool, timeout: int) -> tuple[int, str, float]:
@@ -59,6 +68,9 @@ def main() -> None:
     for i in range(opts.runs):
         work = session_dir() / f"run{i}"
         code, output, seconds = run_once(work / "out", opts.preempt, opts.timeout)
+        if opts.preempt:
+            per_rank = rank_codes(work / "probe")
+            code = 143 if per_rank == {0: 143, 1: 143} else (code or 1)
         codes[code] += 1
         ok = code == expected and "terminate called" not in output and "SIGABRT" not in output
         print(f"run {i + 1}/{opts.runs}: exit {code} in {seconds:.0f}s{'' if ok else '  <-- FAILED'}", flush=True)
@@ -66,7 +78,8 @@ def main() -> None:
             print(output[-4000:], flush=True)
         shutil.rmtree(work, ignore_errors=True)
     good = codes[expected]
-    print(f"\n{good}/{opts.runs} runs exited {expected}; exit codes: {dict(codes)}")
+    print(f"\n{good}/{opts.runs} runs exited {expected}{' on both ranks' if opts.preempt else ''}; "
+          f"exit codes: {dict(codes)}")
     sys.exit(0 if good == opts.runs else 1)
 
 
