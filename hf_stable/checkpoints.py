@@ -238,10 +238,15 @@ class CheckpointMarker(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         barrier()  # rank 1 may still be writing its RNG state or ZeRO shard
-        # args.should_save: the process that writes shared files (one per node with save_on_each_node)
-        if args.should_save and folder.is_dir():
-            mark_complete(folder, state.global_step, world_size() if is_distributed() else 1)
+        failed = None
+        try:  # args.should_save: the process that writes shared files (one per node with save_on_each_node)
+            if args.should_save and folder.is_dir():
+                mark_complete(folder, state.global_step, world_size() if is_distributed() else 1)
+        except Exception as e:  # noqa: BLE001 - raised below, once the other ranks are released from the barrier
+            failed = e
         barrier()  # nobody reads or rotates checkpoints before the marker exists
+        if failed is not None:
+            raise failed
 
 
 def runtime_callbacks(runtime) -> list:

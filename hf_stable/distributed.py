@@ -1,12 +1,22 @@
-"""Collectives that let every rank take the same decision, and are no-ops in a single process.
+"""Every collective hf_stable runs, behind one door: each rank takes the same decision, and a run ends cleanly.
 
-A guard or a preemption handler that decides on one rank only deadlocks the others (they wait in the
-next collective of a step the first rank skipped) or silently diverges the replicas. So every decision
-that changes training goes through one of these helpers first: each rank contributes its local view
-and all ranks get the same answer back.
+The rule, for every caller in the package: **a collective is entered by every rank at the same point, and the
+decision to enter it is rank-agreed** - configuration, the step number, or values that came out of an earlier
+collective. Never a per-rank cache, an alert cooldown or a local fault (a NaN on this rank only): one rank in a
+collective the other skipped aborts gloo ("collective mismatch") and hangs NCCL. When a local condition must
+decide, reduce it first (`all_reduce_flag`) or make the collective unconditional. Nothing outside this module
+calls `torch.distributed` collectives.
 
-All helpers work before `torch.distributed` is initialised and without it (they return the local
-value), on gloo (CPU) and on NCCL (the tensor is put on the current CUDA device, as NCCL requires).
+Teardown: a gloo worker thread drops its reference to a finished collective's tensors a moment *after* the
+caller has its result. If the interpreter has started to finalize by then, freeing a tensor that has a Python
+object needs the GIL, Python ends the thread, and the forced unwind through gloo's destructor aborts the process
+("terminate called without an active exception", SIGABRT) - a finished run reported as failed. `destroy_process_group`
+does not prevent it: the Trainer's DDP wrapper keeps the process group and its threads alive until exit. So every
+tensor handed to a collective here is kept until the backend has let go of it, and `settle()` waits for that at
+`shutdown()` and at interpreter exit (an `atexit` hook, which runs before finalization, on every exit path).
+
+All helpers work before `torch.distributed` is initialised and without it (they return the local value), on gloo
+(CPU) and on NCCL (tensors are put on the current CUDA device, as NCCL requires).
 
 Example:
     >>> stop = all_reduce_flag(self._signal_received)     # True on every rank if any rank got SIGTERM
@@ -15,10 +25,16 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import os
+import pickle
+import time
 from typing import Any, Literal
 
 ReduceOp = Literal["sum", "max", "min", "mean"]
+
+# Tensors of finished collectives the backend may still hold (see the module docstring); pruned on every call.
+_IN_FLIGHT: list = []
 
 
 def is_distributed() -> bool:
@@ -65,6 +81,94 @@ def _collective_device():
     return torch.device("cpu")
 
 
+def _held_elsewhere(tensor) -> bool:
+    """True while something besides our Python reference holds `tensor` (a backend's finished work)."""
+    use_count = getattr(tensor, "_use_count", None)  # torch's own reference count of the TensorImpl
+    return use_count is not None and use_count() > 1
+
+
+def _track(tensor) -> None:
+    _IN_FLIGHT[:] = [t for t in _IN_FLIGHT if _held_elsewhere(t)]
+    _IN_FLIGHT.append(tensor)
+
+
+def settle(timeout: float = 10.0) -> bool:
+    """Wait until the backend has let go of every tensor our collectives used; True when none is held any more.
+
+    Local (no collective), so safe on any exit path. Called by `shutdown()` and, through `atexit`, before the
+    interpreter finalizes (see the module docstring for why). Gives up after `timeout` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        _IN_FLIGHT[:] = [t for t in _IN_FLIGHT if _held_elsewhere(t)]
+        if not _IN_FLIGHT:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+
+
+atexit.register(settle)
+
+_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def _private_copy(tensor):
+    """A fresh copy on the backend's device: the only reference is ours, so `settle` can tell when the backend
+    has let go of it (a caller's tensor may be held by autograd or views for other reasons)."""
+    return tensor.detach().to(_collective_device(), copy=True).contiguous()
+
+
+def all_reduce_tensor(tensor, op: ReduceOp = "sum"):
+    """Reduce `tensor` over ranks in place (`sum`, `max`, `min` or `mean`) and return it; unchanged when not
+    distributed. Any device works (the reduction runs on a copy on the backend's device).
+
+    Raises:
+        ValueError: `op` is not one of the four names.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op: got {op!r}, must be one of 'sum', 'max', 'min', 'mean'")
+    if not is_distributed():
+        return tensor
+    import torch.distributed as dist
+
+    work = _private_copy(tensor)
+    dist.all_reduce(work, op=getattr(dist.ReduceOp, _OPS[op]))
+    _track(work)
+    if op == "mean":
+        work = work / dist.get_world_size()
+    tensor.copy_(work)
+    return tensor
+
+
+def all_gather_tensor(tensor):
+    """Every rank's `tensor` stacked along a new first dimension (`[world_size, *shape]`), on every rank, on the
+    tensor's device; the local tensor with a leading dimension of 1 when not distributed. Every rank must pass the
+    same shape and dtype."""
+    if not is_distributed():
+        return tensor.unsqueeze(0)
+    import torch
+    import torch.distributed as dist
+
+    local = _private_copy(tensor).reshape(-1)
+    out = torch.empty(dist.get_world_size() * local.numel(), dtype=local.dtype, device=local.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(out, local)  # flat: gloo wants the output as the ranks' inputs concatenated
+    _track(local)
+    _track(out)
+    return out.to(tensor.device, copy=True).reshape(dist.get_world_size(), *tensor.shape)
+
+
+def _broadcast_tensor(tensor, src: int):
+    import torch.distributed as dist
+
+    work = _private_copy(tensor)
+    dist.broadcast(work, src=src)
+    _track(work)
+    tensor.copy_(work)
+    return tensor
+
+
 def all_reduce_scalar(value: float, op: ReduceOp = "sum") -> float:
     """Reduce one float across ranks (`sum`, `max`, `min` or `mean`); the local value when not distributed.
 
@@ -74,23 +178,14 @@ def all_reduce_scalar(value: float, op: ReduceOp = "sum") -> float:
     Raises:
         ValueError: `op` is not one of the four names.
     """
-    if op not in ("sum", "max", "min", "mean"):
+    if op not in _OPS:
         raise ValueError(f"op: got {op!r}, must be one of 'sum', 'max', 'min', 'mean'")
     if not is_distributed():
         return float(value)
     import torch
-    import torch.distributed as dist
 
     tensor = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
-    reduce_op = {
-        "sum": dist.ReduceOp.SUM,
-        "mean": dist.ReduceOp.SUM,
-        "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN,
-    }
-    dist.all_reduce(tensor, op=reduce_op[op])
-    out = float(tensor.item())
-    return out / dist.get_world_size() if op == "mean" else out
+    return float(all_reduce_tensor(tensor, op).item())
 
 
 def all_reduce_flag(flag: bool, require: Literal["any", "all"] = "any") -> bool:
@@ -104,15 +199,19 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s `obj` on every rank (picklable objects); `obj` itself when not distributed.
 
     Used for decisions that read the file system (which checkpoint to resume from): with node-local disks
-    the ranks could see different files, so the main process decides and the others follow.
+    the ranks could see different files, so the main process decides and the others follow. (Pickled and
+    broadcast here rather than with `broadcast_object_list`, whose tensors `settle` could not track.)
     """
     if not is_distributed():
         return obj
-    import torch.distributed as dist
+    import torch
 
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    mine = rank() == src
+    payload = pickle.dumps(obj) if mine else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    size = int(_broadcast_tensor(size, src).item())
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if mine else torch.empty(size, dtype=torch.uint8)
+    return pickle.loads(_broadcast_tensor(data, src).numpy().tobytes())
 
 
 def barrier() -> None:
@@ -176,15 +275,18 @@ def _cuda_available() -> bool:
 
 
 def shutdown() -> None:
-    """End of a distributed run: wait for every rank, then tear the process group down (no-op otherwise).
+    """End of a distributed run: wait for every rank, let the backend release our tensors, tear the process group
+    down (no-op otherwise). Call it on every rank, after the last collective of the run.
 
-    Without it the main process, which writes the report and model card, exits seconds after the others;
-    a gloo rank whose peer has already gone can abort (SIGABRT) while the interpreter shuts down, turning a
-    finished run into a failed job.
+    Without the wait the main process, which writes the report and model card, exits seconds after the others;
+    without `settle` a gloo worker thread can still hold a tensor when the interpreter finalizes and abort the
+    process (see the module docstring).
     """
     if not is_distributed():
+        settle()
         return
     import torch.distributed as dist
 
     barrier()
+    settle()
     dist.destroy_process_group()

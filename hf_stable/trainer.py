@@ -13,6 +13,8 @@ methods behind that (`_clip_grad_norm`, `_get_grad_norm`) so that:
 * the statistics are taken here, before the `on_pre_optimizer_step` callbacks. A callback that changes a
   gradient afterwards (gradient surgery, a fault injector) invalidates them (`GradStats` checks each gradient's
   version counter), so the guards judge the gradients the optimizer applies, not the ones seen here;
+* the reporting integrations (`report_to`) run after the other callbacks, so they log hf_stable's metrics
+  (`hf_stable.callbacks.order_for_reporting`, which the stock Trainer needs called by hand);
 * a non-finite norm leaves the gradients as they are. The stock clip multiplies every gradient by
   `max_norm / NaN` = NaN, which hides which parameter went bad (the non-finite locator then needs a re-run);
   the skip guard drops such a step either way, and without guards the run is broken either way.
@@ -32,6 +34,7 @@ import torch
 from transformers import Trainer
 
 from hf_stable.callbacks.grad_stats import GradStats
+from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.distributed import sharded_training
 
 
@@ -40,6 +43,7 @@ class StableTrainer(Trainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        order_for_reporting(self)  # reporters (TensorBoard, W&B ...) after the callbacks whose metrics they write
         if self.model is not None:  # tells the monitors their numbers are pre-clip even with max_grad_norm > 0
             GradStats.shared(self.model).pre_clip = True
 

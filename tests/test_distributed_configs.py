@@ -10,10 +10,19 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hf_stable.config.loader import build_section
 from hf_stable.config.runtime import RuntimeConfig
-from hf_stable.distributed import all_reduce_flag, all_reduce_scalar, barrier, broadcast_object, prepare_launch
+from hf_stable.distributed import (
+    all_gather_tensor,
+    all_reduce_flag,
+    all_reduce_scalar,
+    all_reduce_tensor,
+    barrier,
+    broadcast_object,
+    prepare_launch,
+)
 from hf_stable.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +123,25 @@ def test_collectives_are_identity_in_a_single_process():
     barrier()
     with pytest.raises(ValueError, match="op: got 'avg'"):
         all_reduce_scalar(1.0, "avg")
+    t = torch.tensor([1.0, 2.0])
+    assert all_reduce_tensor(t, "max") is t and t.tolist() == [1.0, 2.0]
+    assert all_gather_tensor(t).shape == (1, 2)
+    with pytest.raises(ValueError, match="op: got 'prod'"):
+        all_reduce_tensor(t, "prod")
+
+
+def test_settle_waits_until_nothing_else_holds_a_collectives_tensor():
+    """What keeps a gloo worker from freeing a Python-owned tensor during interpreter shutdown (SIGABRT): the
+    tensor stays tracked while anything besides us holds it, here a view standing in for the backend's work."""
+    from hf_stable import distributed
+
+    tensor = torch.zeros(2)
+    held = tensor.view(-1)  # a second owner of the TensorImpl, as gloo's finished AsyncWork is
+    distributed._track(tensor)
+    del tensor
+    assert not distributed.settle(timeout=0.05) and len(distributed._IN_FLIGHT) == 1
+    del held
+    assert distributed.settle(timeout=1.0) and distributed._IN_FLIGHT == []
 
 
 def test_prepare_launch_refuses_ranks_that_would_each_train_alone(monkeypatch):

@@ -127,18 +127,21 @@ class LogitProbe:
         idx = self._layer_index(module)
         prev = self._maxima.get(idx)
         self._maxima[idx] = heads if prev is None else torch.maximum(prev, heads)
-        self._read_cache = None
+        # A forward after the sample was read (none in the Trainer's step: reads come after the last backward) does
+        # not reopen the read: whether `read` runs a collective must not depend on this rank's forwards.
 
     def read(self, reduce: bool = True) -> dict[int, list[float]]:
         """`{layer_idx: [max logit per query head]}` of the current sample, one device→host transfer.
 
         With `reduce` and an initialised process group, the maxima are all-reduced (MAX) first; every rank
-        must then call `read()` at the same point, which the Trainer's lock-step callbacks guarantee.
+        must then call `read()` at the same point, which the Trainer's lock-step callbacks guarantee. The result is
+        kept for the rest of the sample (cleared by `arm` of a new step), so a second reader of the step (the
+        monitor after QK-clip) gets it without a second collective on any rank.
         """
         if self._read_cache is not None:
             return self._read_cache
         if not self._maxima:
-            return {}
+            return {}  # every rank runs the same model and micro-batches: then no rank has observed a layer
         layers = sorted(self._maxima)
         width = max(self._maxima[i].numel() for i in layers)
         rows = [
@@ -146,9 +149,10 @@ class LogitProbe:
             for i in layers
         ]
         stacked = torch.stack(rows)
-        dist = torch.distributed
-        if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+        if reduce:
+            from hf_stable.distributed import all_reduce_tensor
+
+            all_reduce_tensor(stacked, "max")
         values = stacked.tolist()
         self._read_cache = {i: [v for v in row[: self._maxima[i].numel()]] for i, row in zip(layers, values)}
         return self._read_cache

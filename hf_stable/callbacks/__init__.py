@@ -9,6 +9,7 @@ from hf_stable.callbacks.loss_monitor import LossMonitor
 from hf_stable.callbacks.memory_monitor import MemoryMonitor
 from hf_stable.callbacks.monitors import EVENT_KINDS, build_monitors
 from hf_stable.callbacks.nonfinite_locator import NonFiniteLocator
+from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.callbacks.qk_clip import QKClipCallback
 from hf_stable.callbacks.step_tap import StepTap
 from hf_stable.callbacks.throughput_monitor import ThroughputMonitor
@@ -33,6 +34,7 @@ __all__ = [
     "UpdateMonitor",
     "build_callbacks",
     "build_monitors",
+    "order_for_reporting",
     "read_events",
     "write_event",
 ]

@@ -4,9 +4,10 @@ What it adds to `transformers.TrainerCallback`:
 
 * **Metrics in the Trainer's own logs.** `self.record({...})` buffers namespaced metrics
   (`grad/norm_global`, `mem/reserved_gib`); at the next `on_log` they are merged into the logs dict and
-  into the matching `state.log_history` entry, so TensorBoard / W&B / trainer_state.json all get them.
-  At train start our callbacks move themselves before the reporting integrations so reporters see
-  the merged metrics (the Trainer otherwise calls reporters first).
+  into the matching `state.log_history` entry, so TensorBoard / W&B / trainer_state.json all get them. The
+  reporting integrations must then run after our callbacks: `StableTrainer` orders them so, the stock Trainer
+  needs `order_for_reporting(trainer)` (see `ordering`). Callbacks are never moved otherwise: a user's callback
+  listed before ours runs before ours.
 * **Events.** `self.event(...)` appends to `stability_events.jsonl` (main process only) and logs.
 * **Resume.** `state_dict()` / `load_state_dict()` of JSON-safe values. The state is kept in
   `TrainerState.stateful_callbacks["hf_stable"][state_key]` every step, so every checkpoint's
@@ -19,38 +20,14 @@ Subclasses keep configuration in public attributes and runtime state in `_privat
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from transformers import TrainerCallback
 
 from hf_stable.callbacks.events import write_event
+from hf_stable.callbacks.grad_stats import begin_step
 
 STATE_KEY = "hf_stable"
-
-
-def _reorder_callbacks(handler) -> None:
-    """Put hf_stable callbacks right after DefaultFlowCallback, before reporting integrations."""
-    ours = [cb for cb in handler.callbacks if isinstance(cb, StabilityCallback)]
-    if not ours:
-        return
-    rest = [cb for cb in handler.callbacks if not isinstance(cb, StabilityCallback)]
-    pos = next((i + 1 for i, cb in enumerate(rest) if type(cb).__name__ == "DefaultFlowCallback"), 0)
-    new = rest[:pos] + ours + rest[pos:]
-    if new != handler.callbacks:
-        handler.callbacks = new  # a new list: the handler's running loop keeps iterating the old one
-
-
-def _find_handler():
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if candidate is not None and hasattr(candidate, "callbacks") and hasattr(candidate, "call_event"):
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 class StabilityCallback(TrainerCallback):
@@ -103,20 +80,15 @@ class StabilityCallback(TrainerCallback):
         return list(self._events)
 
     # --- Trainer hooks --------------------------------------------------------------------
-    def on_init_end(self, args, state, control, **kwargs):
-        handler = _find_handler()
-        if handler is not None:
-            _reorder_callbacks(handler)
-
     def on_train_begin(self, args, state, control, **kwargs):
-        handler = _find_handler()
-        if handler is not None:
-            _reorder_callbacks(handler)
         self._output_dir = args.output_dir
         self._is_main = state.is_world_process_zero
         saved = (state.stateful_callbacks or {}).get(STATE_KEY, {}).get(self.state_key)
         if saved is not None and state.global_step > 0:
             self.load_state_dict(saved)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        begin_step(model)  # the shared gradient statistics gather afresh this step (rank-agreed, see grad_stats)
 
     def on_step_end(self, args, state, control, **kwargs):
         self._save_into(state)

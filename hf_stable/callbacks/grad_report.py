@@ -46,8 +46,9 @@ class GradReport:
     """Host-side gradient statistics of one step.
 
     `available` is False when no trainable parameter had a gradient (DeepSpeed ZeRO keeps gradients in its own
-    buffers; sharded FSDP gradients are not read) — then every number is NaN/empty, never zero. `extras` holds
-    the attached on-device scalars (summed over ranks), e.g. the step's loss. `max_abs` (and where) is filled
+    buffers; sharded FSDP gradients are not read; on any rank) — then every number is NaN/empty, never zero.
+    `extras` holds the attached on-device scalars (summed over ranks), e.g. the step's loss. Every number is the
+    same on every rank: the worst rank's (see `GradStats`); `rank_norms` lists each rank's global norm. `max_abs` (and where) is filled
     only when asked for (`has_max_abs`); `max_param_norm` (the largest per-tensor L2 norm, an upper bound of
     max |g|) always is. Non-finite tensors are left out of both maxima.
     """
@@ -66,10 +67,18 @@ class GradReport:
     max_norm_param: str | None = None
     n_tensors: int = 0
     extras: dict[str, float] = field(default_factory=dict)
+    rank_norms: list[float] = field(default_factory=list)
 
     @property
     def nonfinite_total(self) -> int:
         return sum(self.nonfinite.values())
+
+    @property
+    def ranks_differ(self) -> bool:
+        """True when the ranks' gradients are not the same (their global norms differ bitwise). After DDP's all-reduce
+        they are identical, so a gradient was changed on one rank afterwards (a fault, a callback on one rank):
+        applying it would silently turn the replicas into different models."""
+        return self.available and len({"nan" if math.isnan(v) else v for v in self.rank_norms}) > 1
 
     def metrics(self) -> dict[str, float]:
         """Namespaced metrics for the Trainer logs. Per-group non-finite counts appear only when non-zero."""

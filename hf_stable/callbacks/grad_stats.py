@@ -15,6 +15,12 @@ edits (`StableTrainer`'s clip, `ClipGuard`) run inside `edited()`, which keeps t
 monitors report pre-clip statistics. Dropping every gradient (a skip) keeps the step's report too. Not seen: writes
 through `p.grad.data`, which bypass the version counter. Cost of a check: two attribute reads per tensor.
 
+Ranks: the host numbers are the same on every rank. Each rank's vector is gathered in the one transfer (one
+collective per step label, keyed by the label alone so that a rank whose gradient cache missed does not enter a
+second one), and the report holds the worst rank's value of each statistic: under DDP the ranks' gradients are
+identical after the all-reduce, so this changes nothing, but a gradient changed on one rank afterwards (a fault,
+a callback) is seen - and judged - by every rank alike. `rank_norms` keeps each rank's global norm.
+
 When to call it (Trainer): in `on_pre_optimizer_step`, with `step=state.global_step`. There the gradients are
 accumulated, all-reduced (DDP) and unscaled (fp16). With `TrainingArguments.max_grad_norm > 0` they are also
 already clipped; the recipe sets `max_grad_norm=0` and clips per group itself (using `device_stats`, no host sync).
@@ -35,7 +41,7 @@ from collections.abc import Callable
 import torch
 
 from hf_stable.callbacks.grad_report import DeviceGradStats, GradReport
-from hf_stable.distributed import world_size
+from hf_stable.distributed import all_gather_tensor
 from hf_stable.optim.roles import group_parameters
 
 __all__ = ["DeviceGradStats", "GradReport", "GradStats"]
@@ -90,7 +96,11 @@ class GradStats:
         self._host_key = None
         self._host: GradReport | None = None
         self._seen: tuple[list, list[int]] | None = None  # (weak refs, versions) of every gradient when computed
-        self._step_extras: tuple | None = None  # (step, keys, values) of this step's summed extras
+        # Rank-agreed state of the current step label (see the module docstring): the gathered per-rank vectors.
+        self._agreed_step: int | None = None
+        self._agreed_rows: list[list[float]] | None = None
+        self._agreed_keys: list[str] = []
+        self._agreed_max = False
         # True when the Trainer takes these statistics before its own clip (`StableTrainer`): pre-clip numbers
         # even with `max_grad_norm > 0`.
         self.pre_clip = False
@@ -111,12 +121,13 @@ class GradStats:
         self.invalidate()
 
     def invalidate(self) -> None:
-        """Forget the cached result (the next call computes again)."""
+        """Forget the cached result (the next call computes again; the step's rank-agreed numbers are kept)."""
         self._dev_key = self._dev = self._host_key = self._host = self._seen = None
 
     def begin_step(self) -> None:
-        """A new optimizer step starts (called by `StepTap.begin_step`): the step's extras are transferred anew."""
-        self._step_extras = None
+        """Forget the previous step's rank-agreed numbers (every rank calls it at the start of each step; hf_stable
+        callbacks do, from `on_step_begin`), so a new run that reuses a step label gathers afresh."""
+        self._agreed_step, self._agreed_rows, self._agreed_keys, self._agreed_max = None, None, [], False
 
     @contextlib.contextmanager
     def edited(self, step: int, scale: torch.Tensor | None = None):
@@ -133,6 +144,12 @@ class GradStats:
             self._seen = self._fingerprint([p.grad for p in self._params])
 
     @property
+    def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Every trainable (name, parameter) in the statistics' order, with or without a gradient (the same list on
+        every rank, so a per-tensor vector over it can be reduced across ranks)."""
+        return [(n, p) for n, p, _ in self._ensure_entries()]
+
+    @property
     def group_names(self) -> list[str]:
         """The group names, in the order of `group_norms`."""
         self._ensure_entries()
@@ -142,7 +159,8 @@ class GradStats:
         """Attach on-device scalars to every transfer: `fn()` returns `{key: 0-d tensor}` (may be empty).
 
         The values are summed over ranks (when torch.distributed is initialized) inside the same transfer, so
-        every rank reads the same numbers; every rank must therefore call `compute` at the same steps.
+        every rank reads the same numbers; every rank must therefore call `compute` at the same steps (it is a
+        collective, once per step label).
         """
         self._sources[name] = fn
 
@@ -272,32 +290,13 @@ class GradStats:
         return self._dev
 
     # --- host report -----------------------------------------------------------------------------
-    def _extras_once(self, step, device) -> tuple[list[str], torch.Tensor | None, list[float] | None]:
-        """(keys, tensor to transfer, None) the first time in a step; (keys, None, values) when this step's extras
-        were summed over ranks already. A recomputation after a gradient edit on one rank must not enter the
-        all-reduce again: the other ranks would not (the extras, e.g. the loss, do not depend on the gradients)."""
-        cached = self._step_extras
-        if step is not None and cached is not None and cached[0] == step:
-            return cached[1], None, cached[2]
-        keys, packed = self._extras(device)
-        return keys, packed, None
-
-    def _remember_extras(self, step, keys: list[str], values: list[float]) -> None:
-        if step is not None:
-            self._step_extras = (step, keys, values)
-
-    def _extras(self, device) -> tuple[list[str], torch.Tensor | None]:
+    def _extras(self, device) -> tuple[list[str], list[torch.Tensor]]:
         keys, vals = [], []
         for fn in self._sources.values():
             for k, v in (fn() or {}).items():
                 keys.append(k)
-                vals.append(v.detach().to(device=device, dtype=torch.float32).reshape(()))
-        if not vals:
-            return keys, None
-        packed = torch.stack(vals)
-        if world_size() > 1:
-            torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM)
-        return keys, packed
+                vals.append(v.detach().to(device=device, dtype=torch.float32).reshape(1))
+        return keys, vals
 
     @staticmethod
     def _param_max_abs(dev: DeviceGradStats) -> torch.Tensor | None:
@@ -327,72 +326,143 @@ class GradStats:
         best = torch.max(torch.where(torch.isfinite(values), values, -1.0), dim=0)
         return [best.values.reshape(1), best.indices.to(torch.float32).reshape(1)]
 
+    # Layout of one rank's vector: group norms [G], non-finite counts [G], then _TAIL named slots, then the extras.
+    _TAIL = ("global", "top_norm", "top_arg", "available", "has_max", "max_abs", "max_arg")
+
+    def _slot(self, name: str) -> int:
+        return 2 * len(self._group_names) + self._TAIL.index(name)
+
+    @staticmethod
+    def _max_part(dev: DeviceGradStats | None, per_tensor: torch.Tensor | None, device) -> torch.Tensor:
+        """[has_max, max |g|, its index] of this rank (has_max 0 when the gradients were dropped)."""
+        if dev is None or per_tensor is None:
+            return torch.tensor([0.0, -1.0, 0.0], device=device)
+        return torch.cat([torch.ones(1, device=device), *GradStats._best(per_tensor)])
+
+    def _local_vector(self, dev: DeviceGradStats | None, max_abs: bool) -> tuple[list[str], torch.Tensor]:
+        entries = self._ensure_entries()
+        n_groups = len(self._group_names)
+        device = dev.global_norm.device if dev is not None else next((p.device for _, p, _ in entries), "cpu")
+        if dev is None:
+            head = torch.zeros(2 * n_groups + 4, device=device)
+            head[2 * n_groups + 1] = -1.0  # no finite top norm
+        else:
+            head = torch.cat([dev.group_norms, dev.nonfinite, dev.global_norm.reshape(1), *self._best(dev.param_norms),
+                              torch.ones(1, device=device)])
+        per_tensor = self._param_max_abs(dev) if (max_abs and dev is not None) else None
+        keys, extras = self._extras(device)
+        return keys, torch.cat([head, self._max_part(dev, per_tensor, device), *extras])
+
+    def _needs_gather(self, step, max_abs: bool) -> bool:
+        """Whether this call enters the collective - decided only from rank-agreed state (the step label and what
+        earlier calls of this step gathered), never from this rank's gradient cache."""
+        if step is None or self._agreed_step != step or self._agreed_rows is None:
+            return True
+        available = all(row[self._slot("available")] > 0.5 for row in self._agreed_rows)
+        return max_abs and available and not self._agreed_max
+
+    def _gather(self, dev: DeviceGradStats | None, step, max_abs: bool) -> None:
+        """The step's collective: every rank's vector (or, later in the step, only its max |g| slots)."""
+        if step is not None and self._agreed_step == step and self._agreed_rows is not None:
+            # the step's report exists; add the exact max |g| (one more transfer and collective)
+            device = dev.global_norm.device if dev is not None else torch.device("cpu")
+            part = self._max_part(dev, self._param_max_abs(dev) if dev is not None else None, device)
+            start = self._slot("has_max")
+            for row, values in zip(self._agreed_rows, all_gather_tensor(part).tolist()):
+                row[start : start + 3] = values
+        else:
+            keys, vector = self._local_vector(dev, max_abs)
+            self._agreed_rows = all_gather_tensor(vector).tolist()  # the single device→host transfer
+            self._agreed_keys, self._agreed_step = keys, step
+        self._agreed_max = max_abs
+
+    @staticmethod
+    def _best(values: torch.Tensor) -> list[torch.Tensor]:
+        """Largest finite value and its index (value -1 when none is finite), as two 1-element tensors."""
+        best = torch.max(torch.where(torch.isfinite(values), values, -1.0), dim=0)
+        return [best.values.reshape(1), best.indices.to(torch.float32).reshape(1)]
+
     def compute(self, model: torch.nn.Module | None = None, step: int | None = None,
                 max_abs: bool = False) -> GradReport:
-        """Host-side report of the step (cached per step), transferred with one `.tolist()`.
+        """Host-side report of the step (cached per step), transferred with one `.tolist()`; the same on every rank.
 
         `max_abs=False` skips the exact max |g| (a second pass over every gradient); the report then carries
         `max_norm_param` / `max_param_norm`, the largest per-tensor L2 norm, which bounds max |g| from above,
         so a caller can ask for the exact value (one more transfer) only when the bound crosses its threshold.
         The exact max |g| reads the gradients as they are when it is asked for: ask before modifying them.
+        Distributed: a collective - every rank calls it at the same points with the same `max_abs`.
         """
         dev = self.device_stats(model, step)
         cached = self._host is not None and self._dev_key is not None and self._host_key is self._dev_key
-        if cached and (not max_abs or dev is None or self._host.has_max_abs):
+        gather = self._needs_gather(step, max_abs)
+        if gather:
+            self._gather(dev, step, max_abs)
+        if cached and not gather:
             return self._host
-        if dev is None:
-            report = self._unavailable_report(step)
-        elif cached:  # the step's report exists; add the exact max |g| with one more transfer
-            report = self._host
-            per_tensor = self._param_max_abs(dev)
-            if per_tensor is not None:
-                self._fill_max(report, dev, torch.cat(self._best(per_tensor)).tolist())
-        else:
-            keys, extras, known = self._extras_once(step, dev.global_norm.device)
-            parts = [dev.group_norms, dev.nonfinite, dev.global_norm.reshape(1), *self._best(dev.param_norms)]
-            per_tensor = self._param_max_abs(dev) if max_abs else None
-            if per_tensor is not None:
-                parts += self._best(per_tensor)
-            if extras is not None:
-                parts.append(extras)
-            host = torch.cat(parts).tolist()  # the single device→host transfer
-            n_groups = len(dev.groups)
-            norms, bad = host[:n_groups], host[n_groups : 2 * n_groups]
-            global_norm, top_norm, top_arg = host[2 * n_groups : 2 * n_groups + 3]
-            rest = host[2 * n_groups + 3 :]
-            present = sorted(set(dev.group_ids))
-            report = GradReport(
-                step=step,
-                available=True,
-                global_norm=global_norm,
-                group_norms={dev.groups[g]: norms[g] for g in present},
-                nonfinite={dev.groups[g]: int(bad[g]) for g in present},
-                max_param_norm=top_norm if top_norm >= 0 else math.nan,
-                max_norm_param=dev.names[int(top_arg)] if top_norm >= 0 else None,
-                n_tensors=len(dev.names),
-            )
-            if per_tensor is not None:
-                self._fill_max(report, dev, rest[:2])
-                rest = rest[2:]
-            values = known if known is not None else rest
-            self._remember_extras(step, keys, values)
-            report.extras = dict(zip(keys, values))
+        report = self._report(dev, step)
+        if cached:  # the step's report grew its exact max |g|: update the object earlier readers hold
+            self._host.__dict__.update(report.__dict__)
+            return self._host
         self._host, self._host_key = report, self._dev_key
         return report
 
-    @staticmethod
-    def _fill_max(report: GradReport, dev: DeviceGradStats, value_arg: list[float]) -> None:
-        value, arg = value_arg
-        report.has_max_abs = True
-        if value >= 0:  # else every gradient is non-finite: there is no finite maximum (stays NaN / None)
-            report.max_abs, report.max_abs_param = value, dev.names[int(arg)]
-            report.max_abs_group = dev.groups[dev.group_ids[int(arg)]]
+    def _report(self, dev: DeviceGradStats | None, step) -> GradReport:
+        """The report from the gathered rows: sums of the extras, the worst rank of every statistic."""
+        rows, n_groups = self._agreed_rows, len(self._group_names)
+        col = {name: self._slot(name) for name in self._TAIL}
+        first = 2 * n_groups + len(self._TAIL)
+        extras = {k: sum(row[first + j] for row in rows) for j, k in enumerate(self._agreed_keys)}
+        rank_norms = [row[col["global"]] for row in rows]
+        missing = [r for r, row in enumerate(rows) if row[col["available"]] < 0.5]
+        if dev is None or missing:  # (this rank is among `missing` when dev is None)
+            everywhere = len(missing) == len(rows)  # then every rank gives the same local reason
+            reason = self._unavailable_reason() if everywhere else f"rank {missing[0]} has no gradient to read"
+            return GradReport(step=step, available=False, reason=reason, extras=extras, rank_norms=rank_norms)
+        present = sorted(set(dev.group_ids))
+        top_norm, top_arg = _best_rank([(row[col["top_norm"]], row[col["top_arg"]]) for row in rows])
+        report = GradReport(
+            step=step,
+            available=True,
+            global_norm=_worst(rank_norms),
+            group_norms={dev.groups[g]: _worst([row[g] for row in rows]) for g in present},
+            nonfinite={dev.groups[g]: int(max(row[n_groups + g] for row in rows)) for g in present},
+            max_param_norm=top_norm if top_norm >= 0 else math.nan,
+            max_norm_param=_name(dev, top_arg) if top_norm >= 0 else None,
+            n_tensors=len(dev.names),
+            extras=extras,
+            rank_norms=rank_norms,
+        )
+        if self._agreed_max and all(row[col["has_max"]] > 0.5 for row in rows):
+            value, arg = _best_rank([(row[col["max_abs"]], row[col["max_arg"]]) for row in rows])
+            report.has_max_abs = True
+            if value >= 0:  # else every gradient is non-finite: there is no finite maximum (stays NaN / None)
+                report.max_abs, report.max_abs_param = value, _name(dev, arg)
+                index = int(arg)
+                report.max_abs_group = dev.groups[dev.group_ids[index]] if index < len(dev.group_ids) else None
+        return report
 
-    def _unavailable_report(self, step) -> GradReport:
+    def _unavailable_reason(self) -> str:
         _, grads, _ = self._present()
-        device = next((p.device for _, p, _ in self._ensure_entries()), torch.device("cpu"))
-        keys, extras, known = self._extras_once(step, device)
-        reason = "sharded (DTensor) gradients are not read" if grads else "no parameter has a .grad"
-        values = known if known is not None else extras.tolist() if extras is not None else []
-        self._remember_extras(step, keys, values)
-        return GradReport(step=step, available=False, reason=reason, extras=dict(zip(keys, values)))
+        return "sharded (DTensor) gradients are not read" if grads else "no parameter has a .grad"
+
+
+def begin_step(model: torch.nn.Module | None) -> None:
+    """`GradStats.begin_step` of `model`'s shared instance, if it has one (called from `on_step_begin`)."""
+    stats = _SHARED.get(model) if model is not None else None
+    if stats is not None:
+        stats.begin_step()
+
+
+def _worst(values: list[float]) -> float:
+    """The worst of the ranks' values: NaN over +inf over the largest finite value."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+def _best_rank(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """(value, index) of the rank with the largest value (the lowest rank on a tie)."""
+    return max(pairs, key=lambda pair: pair[0])
+
+
+def _name(dev: DeviceGradStats, arg: float) -> str | None:
+    index = int(arg)
+    return dev.names[index] if 0 <= index < len(dev.names) else None

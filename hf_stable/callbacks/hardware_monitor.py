@@ -2,7 +2,8 @@
 
 Needs the `nvml` extra (`pynvml`, from nvidia-ml-py) and a CUDA device; otherwise it says once that it is off.
 The NVML device is found by the CUDA device's UUID, so `CUDA_VISIBLE_DEVICES` remapping does not mislead it.
-Readings are max-reduced over ranks (the hottest GPU is the one that throttles).
+Readings are max-reduced over ranks (the hottest GPU is the one that throttles); whether to read at all is agreed
+at train start (off on every rank unless every rank has NVML), so no rank enters that collective alone.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.monitor_utils import AlertGate, collective_device, reduce_host
+from hf_stable.distributed import all_reduce_flag
 from hf_stable.import_utils import is_nvml_available
 from hf_stable.logging import get_logger
 
@@ -101,6 +103,8 @@ class HardwareMonitor(StabilityCallback):
             return
         self._device = collective_device(args)
         self._off_reason = self._open() if self._handle is None else None
+        if all_reduce_flag(self._off_reason is not None) and self._off_reason is None:
+            self._off_reason = "NVML is not available on every rank"
         if self._off_reason:
             logger.info("hardware monitor is off: %s", self._off_reason)
 

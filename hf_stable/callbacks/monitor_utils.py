@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_stable.distributed import sharded_training, world_size  # noqa: F401 - re-exported for the monitors
+from hf_stable.distributed import all_reduce_tensor, sharded_training, world_size  # noqa: F401 - re-exported
 
 
 class AlertGate:
@@ -46,9 +46,7 @@ def reduce_host(values: list[float], op: str, device: torch.device | str = "cpu"
     if world_size() == 1 or not values:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    red = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
-    torch.distributed.all_reduce(t, op=red)
-    return t.tolist()
+    return all_reduce_tensor(t, "sum" if op == "sum" else "max").tolist()
 
 
 def collective_device(args) -> torch.device:

@@ -11,10 +11,14 @@ also makes every gradient non-finite, legitimately. The locator therefore works 
 2. If every gradient is non-finite, it re-runs the step's micro-batches (captured by `StepTap`, no copies) on
    the unwrapped model with `torch.autograd.grad`, which leaves `.grad` untouched, under a forked RNG so the
    run's randomness is unchanged, and names the parameters whose fresh gradients are non-finite. With
-   `detect_anomaly=True` the re-run also names the backward op that produced the first NaN. Flags are
-   max-reduced over ranks, so every rank names the same parameters. The re-run costs one forward/backward of
-   the step, only on a failing step, at most `max_reruns` times per run. When the re-run gives finite gradients
-   the event says the fault did not reproduce (transient), instead of naming every tensor as a culprit.
+   `detect_anomaly=True` the re-run also names the backward op that produced the first NaN. The re-run costs one
+   forward/backward of the step, only on a failing step, at most `max_reruns` times per run. When the re-run gives
+   finite gradients the event says the fault did not reproduce (transient), instead of naming every tensor.
+
+Ranks: a fault can hit one rank only (a NaN written after DDP's all-reduce, a NaN loss in one rank's batch), and
+cooldowns then drift apart if fed local numbers. So every branch reads rank-agreed values: the `GradStats` report
+(the same on every rank), one max-reduce of the per-tensor flags on each failing step (unconditional then, and
+which also decides the re-run: only when every rank wants it), and one inside the re-run.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
-from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training, world_size
+from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training
 from hf_stable.callbacks.step_tap import StepTap, StepTapUser, batch_gradients
+from hf_stable.distributed import all_reduce_tensor
 from hf_stable.logging import get_logger
 from hf_stable.optim.roles import classify
 
@@ -93,7 +98,7 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         if not self.enabled or model is None:
             return
         stats = GradStats.shared(model)
-        report = stats.compute(model, step=state.global_step)
+        report = stats.compute(model, step=state.global_step)  # rank-agreed numbers (see the module docstring)
         step = state.global_step + 1
         num, den = report.extras.get("loss_num"), report.extras.get("loss_den")
         if den and not math.isfinite(num) and (suppressed := self._gate.allow(step, "nonfinite_loss")) is not None:
@@ -103,37 +108,52 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         if self._off or not report.available or report.nonfinite_total == 0:
             return
         self._nonfinite_steps.append(step)
-        suppressed = self._gate.allow(step, "nonfinite_grad")
+        suppressed = self._gate.allow(step, "nonfinite_grad")  # None on every rank alike: its inputs are agreed
+        dev = stats.device_stats(model, step=state.global_step)
+        # One max-reduce on every failing step, whatever the cooldown says: which tensors are non-finite on any
+        # rank, which weights are, and whether some rank declines a re-run (so nobody enters it alone). The
+        # vector runs over every trainable tensor, so its size is the same on every rank.
+        named = stats.named_params
+        wants_rerun = dev is not None and suppressed is not None and self.rerun and self._reruns < self.max_reruns
+        with torch.no_grad():
+            weights = torch.stack(torch._foreach_norm([p.detach() for _, p in named], 2.0, dtype=torch.float32))
+            grads = torch.zeros_like(weights)
+            if dev is not None:
+                at = {name: i for i, (name, _) in enumerate(named)}
+                index = torch.tensor([at[name] for name in dev.names], device=weights.device)
+                grads[index] = (~torch.isfinite(dev.param_norms.to(weights.device))).float()
+            flags = torch.cat([grads, (~torch.isfinite(weights)).float(), weights.new_tensor([not wants_rerun])])
+        flags = all_reduce_tensor(flags, "max").tolist()  # second transfer: failing steps only
+        n = len(named)
+        names = [name for (name, _), bad in zip(named, flags[:n]) if bad]
+        n_bad_weights, rerun = int(sum(flags[n : 2 * n])), not flags[-1]
         if suppressed is None:
             return
-        dev = stats.device_stats(model, step=state.global_step)
-        flags = (~torch.isfinite(dev.param_norms)).tolist()  # second transfer: failing steps only
-        names = [n for n, bad in zip(dev.names, flags) if bad]
         how, op = "gradients", None
-        if len(names) == len(dev.names) and len(names) > 1:
+        if len(names) == n and n > 1:
             # Every gradient is non-finite: a non-finite loss does that, and so does the stock Trainer's clip
             # (its NaN coefficient); `StableTrainer` does not spread NaN, so there the gradients are the truth.
             cause = ("the loss is non-finite" if den and not math.isfinite(num) else
                      "as found" if stats.pre_clip else "the Trainer's clip_grad_norm_ spreads one NaN to all")
             why = "switched off" if not self.rerun else f"used up (max_reruns={self.max_reruns})"
             located = None
-            if self.rerun and self._reruns < self.max_reruns:
-                located, op, why = self._rerun(model, dev, args)
+            if rerun:
+                located, op, why = self._rerun(model, named, args)
             if located:
                 names, how = located, f"a re-run of the step (every gradient was non-finite: {cause})"
             else:
                 how = f"gradients - every one is non-finite ({cause}); the re-run {why}"
-        self._report(step, names, how, op, dev, suppressed)
+        self._report(step, names, how, op, suppressed, n_bad_weights)
 
     # --- locating ---------------------------------------------------------------------------------------
-    def _rerun(self, model, dev, args) -> tuple[list[str] | None, str | None, str]:
+    def _rerun(self, model, named, args) -> tuple[list[str] | None, str | None, str]:
         """Fresh gradients of the step's micro-batches: (non-finite parameters or None, backward op, what the re-run
-        found when it names nobody). Every rank reaches the one collective, even on failure."""
+        found when it names nobody). Every rank reaches the one collective, whatever fails on it."""
         tap = StepTap.shared(model)
         self._reruns += 1
-        params = dev.params
+        params = [p for _, p in named]
         # last slot: 1 when this rank could not re-run (no inputs, no loss, an error) - then nobody trusts it
-        bad = torch.zeros(len(params) + 1, dtype=torch.float32, device=dev.param_norms.device)
+        bad = torch.zeros(len(params) + 1, dtype=torch.float32, device=params[0].device)
         bad[-1] = float(not tap.inputs)
         op = None
         with tap.replaying():
@@ -142,7 +162,8 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
                         grads, op_here = self._grads_once(model, params, call_args, call_kwargs, args)
-                except RuntimeError as e:  # a re-run that fails (e.g. OOM) must not kill training
+                except Exception as e:  # noqa: BLE001 - a failed re-run (e.g. OOM) must not kill training or skip
+                    # the collective below, which the other ranks have entered
                     logger.warning("non-finite locator: re-run failed (%s); naming from gradients only", e)
                     grads, op_here = None, None
                 op = op or op_here
@@ -151,12 +172,10 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
                     break
                 norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).to(bad.device)
                 bad[:-1] = torch.maximum(bad[:-1], (~torch.isfinite(norms)).to(torch.float32))
-        if world_size() > 1:
-            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        flags = bad.tolist()
+        flags = all_reduce_tensor(bad, "max").tolist()
         if flags[-1]:
             return None, op, "was not possible (no captured batch, no loss, or it failed)"
-        names = [n for n, f in zip(dev.names, flags) if f]
+        names = [n for (n, _), f in zip(named, flags) if f]
         if not names:  # the same batch and weights now give finite gradients
             return None, op, ("gave finite gradients: the fault did not reproduce (transient - e.g. a hardware "
                               "error, a race, a non-deterministic op, or a fault injected into that one step)")
@@ -176,7 +195,8 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
                 op = match.group(1)  # anomaly mode stopped at the first NaN; run again for every gradient
         return batch_gradients(model, params, call_args, call_kwargs, args)[1], op
 
-    def _report(self, step: int, names: list[str], how: str, op: str | None, dev, suppressed: int) -> None:
+    def _report(self, step: int, names: list[str], how: str, op: str | None, suppressed: int,
+                n_bad_weights: int) -> None:
         groups: dict[str, int] = {}
         for n in names:
             g = classify(n).group
@@ -186,9 +206,6 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         where = f"; first NaN produced by backward op {op}" if op else ""
         if op is None and self.detect_anomaly and "re-run" in how:
             where = "; no backward op produced it (a gradient hook, or NaN already in the inputs or weights)"
-        with torch.no_grad():
-            weights = torch.stack(torch._foreach_norm([p.detach() for p in dev.params], 2.0, dtype=torch.float32))
-            n_bad_weights = int((~torch.isfinite(weights)).sum())
         if n_bad_weights:
             where += f"; {n_bad_weights} weight tensor(s) are already non-finite (an earlier update corrupted them)"
         if suppressed:

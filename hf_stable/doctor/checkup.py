@@ -182,14 +182,9 @@ def _dry_run(report: DoctorReport, cfg, s, doctor: DoctorConfig, base, model, da
 
 def blocking_on_any_rank(report: DoctorReport) -> bool:
     """True when any rank's report blocks, so every rank takes the same start/refuse decision (no DDP hang)."""
-    import torch
+    from hf_stable.distributed import all_reduce_flag
 
-    blocking = report.blocking
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        flag = torch.tensor([int(blocking)], device="cuda" if torch.cuda.is_available() else "cpu")
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        blocking = bool(flag.item())
-    return blocking
+    return all_reduce_flag(report.blocking)
 
 
 def preflight(cfg, args, *, model, tokenizer, data, output_dir=None) -> DoctorReport:
@@ -200,8 +195,14 @@ def preflight(cfg, args, *, model, tokenizer, data, output_dir=None) -> DoctorRe
         DoctorBlockingError: a blocking finding on any rank, with the findings in the message.
     """
     doctor = doctor_settings(cfg)
-    report = run_doctor(cfg, args=args, model=model, tokenizer=tokenizer, data=data,
-                        output_dir=output_dir or args.output_dir)  # fmt: skip
+    try:
+        report = run_doctor(cfg, args=args, model=model, tokenizer=tokenizer, data=data,
+                            output_dir=output_dir or args.output_dir)  # fmt: skip
+    except BaseException:
+        from hf_stable.distributed import all_reduce_flag
+
+        all_reduce_flag(True)  # the other ranks wait in the same collective: they refuse too, instead of hanging
+        raise
     print_main(render_text(report))
     if blocking_on_any_rank(report):
         lines = [f"{f.check}: {f.what} ({f.evidence}) -> {f.fix}" for f in report.blocking_findings()]

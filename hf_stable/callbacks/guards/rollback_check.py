@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_stable.callbacks.step_tap import StepTap, batch_gradients
-from hf_stable.distributed import world_size
+from hf_stable.distributed import all_reduce_tensor
 
 
 @dataclass
@@ -86,8 +86,8 @@ def probe_snapshot(
                     ok = False
                     break
                 results.append(local.to(device))
-        except RuntimeError:  # e.g. out of memory: fall back to rolling back, as without the check
-            ok = False
+        except Exception:  # noqa: BLE001 - e.g. out of memory: fall back to rolling back, as without the check; never
+            ok = False  # skip the all-reduce below, which the other ranks have entered
         finally:
             with torch.no_grad():
                 for p, w in zip(params, current):
@@ -96,9 +96,7 @@ def probe_snapshot(
     if ok:
         packed[:4] = torch.cat(results)
     packed[4] = float(not ok)
-    if world_size() > 1:
-        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM)
-    values = packed.tolist()
+    values = all_reduce_tensor(packed, "sum").tolist()
     if values[4]:
         return None
     return Probe(math.sqrt(values[0]), values[1]), Probe(math.sqrt(values[2]), values[3])

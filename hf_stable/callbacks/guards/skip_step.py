@@ -14,7 +14,9 @@ the scheduler steps as usual (`lr_scheduler.step()` runs after our hook). So the
 share of the schedule is not trained. (Under fp16 the grad scaler's own inf-skip also holds the scheduler back:
 accelerate's `optimizer_step_was_skipped`.) `tests/test_guards_trainer.py` checks the schedule on a skipped step.
 
-Rules: non-finite gradients or loss; a grad-norm spike (x `grad_spike_ratio` over its EMA); a loss spike (robust
+Rules: non-finite gradients or loss; gradients that differ between ranks (under DDP they are identical after the
+all-reduce, so one rank's were changed afterwards - a fault or a callback on that rank: applying them would make
+the replicas different models, `rank_mismatch`); a grad-norm spike (x `grad_spike_ratio` over its EMA); a loss spike (robust
 z-score over a window *and* a relative margin over its median, so a noisy-but-healthy loss is not a spike); a
 loss rise (a fast EMA of the loss, which follows a divergence step by step, sits `loss_rise_rel` above the recent
 best of a smoothed loss). A rise is not one bad batch but a run going wrong: its steps count as bad steps for
@@ -47,7 +49,7 @@ from hf_stable.callbacks.monitor_utils import collective_device, robust_zscore
 from hf_stable.callbacks.step_tap import StepTapUser
 from hf_stable.distributed import sharded_training
 
-REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise")
+REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch")
 _KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
 _MID_BETA = 0.9  # the loss-rise reference: the lowest value of this EMA over the window (follows a fast descent)
 
@@ -275,7 +277,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
     def decide(self, step: int, flags: list[float], grad_norm: float, loss: float | None) -> StepVerdict:
         """Turn agreed flags into a verdict, update the references and counters, write the event."""
         reasons = [r for r, f in zip(REASONS, flags) if f]
-        if reasons and "nonfinite" not in reasons:
+        if reasons and not {"nonfinite", "rank_mismatch"} & set(reasons):  # spikes only: those can be a new normal
             self._spike_streak += 1
             if self._spike_streak > self.max_consecutive_skips:
                 # A level that persists this long is the new normal (e.g. a data shift), not a spike: accept it
@@ -332,6 +334,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
         loss = report.extras["loss_num"] / den if den else None
         grad_norm = report.global_norm if report.available else 0.0
         flags = self.local_flags(grad_norm, loss, nonfinite_grads=report.nonfinite_total > 0)
+        flags.append(float(report.ranks_differ and not flags[0]))
         flags = agree(flags, self._device)
         verdict = self.decide(step, flags, grad_norm if report.available else math.nan, loss)
         if verdict.skip:

@@ -1,0 +1,65 @@
+"""`order_for_reporting(trainer)`: reporting integrations run after the callbacks whose metrics they report.
+
+hf_stable callbacks add their metrics to the Trainer's `logs` in `on_log`. The Trainer builds its callback list as
+DefaultFlowCallback, the integrations `report_to` asks for (TensorBoard, W&B, MLflow ...), the user's `callbacks=`,
+then the progress bar / printer - so the integrations would write each log line before our metrics are in it.
+Rather than moving our callbacks forward (which would also move them ahead of the user's own callbacks: a user's
+gradient hook listed first must still run before the skip guard), this moves the *reporters* back:
+
+    DefaultFlowCallback, the user's callbacks in the user's order (hf_stable's among them), reporters, printers
+
+An explicit call, not something the callbacks discover: `StableTrainer` makes it in `__init__`; with the stock
+`Trainer` or TRL's `SFTTrainer` call it once after building the trainer (again after adding callbacks whose
+metrics the reporters should see).
+
+Example:
+    >>> trainer = Trainer(model=model, args=args, callbacks=[my_callback, *build_callbacks(cfg, args)])
+    >>> order_for_reporting(trainer)
+"""
+
+from __future__ import annotations
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+
+def _reporter_classes() -> tuple[type, ...]:
+    """transformers' reporting integrations: the classes `report_to` names map to (their subclasses included)."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    return tuple(cls for cls in INTEGRATION_TO_CALLBACK.values() if isinstance(cls, type))
+
+
+def _printer_classes() -> tuple[type, ...]:
+    classes: tuple[type, ...] = (PrinterCallback, ProgressCallback)
+    try:  # needs IPython
+        from transformers.utils.notebook import NotebookProgressCallback
+    except ImportError:
+        return classes
+    return (*classes, NotebookProgressCallback)
+
+
+def reporting_order(callbacks: list[TrainerCallback]) -> list[TrainerCallback]:
+    """`callbacks` with the reporting integrations moved after every other callback but the printers; the rest
+    keep their relative order."""
+    reporters, printers = _reporter_classes(), _printer_classes()
+    is_reporter = [isinstance(cb, reporters) for cb in callbacks]
+    is_printer = [not r and isinstance(cb, printers) for cb, r in zip(callbacks, is_reporter)]
+    rest = [cb for cb, r, p in zip(callbacks, is_reporter, is_printer) if not (r or p)]
+    return (rest + [cb for cb, r in zip(callbacks, is_reporter) if r]
+            + [cb for cb, p in zip(callbacks, is_printer) if p])
+
+
+def order_for_reporting(trainer) -> None:
+    """Reorder `trainer.callback_handler` (a `Trainer` or a `CallbackHandler`) so that the reporting integrations
+    see every callback's metrics (see the module docstring). Idempotent.
+
+    Example:
+        >>> from hf_stable.callbacks import build_callbacks, order_for_reporting
+        >>> trainer = SFTTrainer(model=model, args=args, train_dataset=ds, callbacks=build_callbacks(cfg, args))
+        >>> order_for_reporting(trainer)
+    """
+    handler = getattr(trainer, "callback_handler", trainer)
+    ordered = reporting_order(list(handler.callbacks))
+    if any(a is not b for a, b in zip(ordered, handler.callbacks)):
+        handler.callbacks = ordered  # a new list: a loop already iterating the old one is not disturbed
