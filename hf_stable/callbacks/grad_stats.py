@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 
 from hf_stable.callbacks.grad_report import DeviceGradStats, GradReport
-from hf_stable.distributed import all_gather_tensor
+from hf_stable.distributed import all_gather_tensor, rank
 from hf_stable.optim.roles import group_parameters
 
 __all__ = ["DeviceGradStats", "GradReport", "GradStats"]
@@ -101,6 +101,7 @@ class GradStats:
         self._agreed_rows: list[list[float]] | None = None
         self._agreed_keys: list[str] = []
         self._agreed_max = False
+        self._agreed_dev_key = None  # the device statistics the rows were gathered from
         # True when the Trainer takes these statistics before its own clip (`StableTrainer`): pre-clip numbers
         # even with `max_grad_norm > 0`.
         self.pre_clip = False
@@ -339,7 +340,9 @@ class GradStats:
             return torch.tensor([0.0, -1.0, 0.0], device=device)
         return torch.cat([torch.ones(1, device=device), *GradStats._best(per_tensor)])
 
-    def _local_vector(self, dev: DeviceGradStats | None, max_abs: bool) -> tuple[list[str], torch.Tensor]:
+    def _local_vector(self, dev: DeviceGradStats | None, max_abs: bool, reuse_extras: bool = False):
+        """(extras keys, this rank's vector); `reuse_extras` takes this rank's extras from the step's gathered row (the
+        loss does not change when a gradient is edited, and its sources are read once per step)."""
         entries = self._ensure_entries()
         n_groups = len(self._group_names)
         device = dev.global_norm.device if dev is not None else next((p.device for _, p, _ in entries), "cpu")
@@ -350,7 +353,11 @@ class GradStats:
             head = torch.cat([dev.group_norms, dev.nonfinite, dev.global_norm.reshape(1), *self._best(dev.param_norms),
                               torch.ones(1, device=device)])
         per_tensor = self._param_max_abs(dev) if (max_abs and dev is not None) else None
-        keys, extras = self._extras(device)
+        if reuse_extras:
+            first = 2 * n_groups + len(self._TAIL)
+            keys, extras = self._agreed_keys, [torch.tensor(self._agreed_rows[rank()][first:], device=device)]
+        else:
+            keys, extras = self._extras(device)
         return keys, torch.cat([head, self._max_part(dev, per_tensor, device), *extras])
 
     def _needs_gather(self, step, max_abs: bool) -> bool:
@@ -373,8 +380,20 @@ class GradStats:
         else:
             keys, vector = self._local_vector(dev, max_abs)
             self._agreed_rows = all_gather_tensor(vector).tolist()  # the single device→host transfer
-            self._agreed_keys, self._agreed_step = keys, step
+            self._agreed_keys, self._agreed_step, self._agreed_dev_key = keys, step, self._dev_key
         self._agreed_max = max_abs
+
+    def _refresh_own_row(self, dev: DeviceGradStats | None, step) -> bool:
+        """This rank's gradients were edited since the step's rows were gathered (a callback between two of ours, a
+        fault): replace this rank's row with the fresh numbers, without a collective. Its report then differs from
+        the other ranks' (the edit makes this rank's gradients differ: `ranks_differ`), and the skip guard's agreed
+        flags carry the verdict to every rank. Returns whether the row changed."""
+        if self._agreed_step != step or self._agreed_rows is None or self._agreed_dev_key is self._dev_key:
+            return False
+        _, vector = self._local_vector(dev, self._agreed_max, reuse_extras=True)
+        self._agreed_rows[rank()] = vector.tolist()
+        self._agreed_dev_key = self._dev_key
+        return True
 
     @staticmethod
     def _best(values: torch.Tensor) -> list[torch.Tensor]:
@@ -397,6 +416,7 @@ class GradStats:
         gather = self._needs_gather(step, max_abs)
         if gather:
             self._gather(dev, step, max_abs)
+        gather = self._refresh_own_row(dev, step) or gather
         if cached and not gather:
             return self._host
         report = self._report(dev, step)
