@@ -64,11 +64,9 @@ def rank_mean(x: float) -> float:
     return x
 
 
-def clip_(model, max_norm: float, norm: float) -> None:
-    """`clip_grad_norm_`'s scaling with an already computed norm."""
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        torch._foreach_mul_([p.grad for p in trainable(model) if p.grad is not None], coef)
+def clip_(model, max_norm: float, norm: torch.Tensor) -> None:
+    """The second half of `clip_grad_norm_` (the Trainer's clip), bitwise, with the norm already computed."""
+    torch.nn.utils.clip_grads_with_norm_(trainable(model), max_norm, norm)
 
 
 class LossTap:
@@ -98,16 +96,16 @@ class PeerCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
         grads = [p.grad for p in trainable(model) if p.grad is not None]
-        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        action = self.decide(state.global_step + 1, rank_mean(self.tap.loss), norm, model)
+        self.norm = torch.nn.utils.get_total_norm(grads)  # as clip_grad_norm_ computes it
+        action = self.decide(state.global_step + 1, rank_mean(self.tap.loss), float(self.norm), model)
         if action in ("skip", "stop"):
             drop_grads(model)
             self.skips += action == "skip"
             if action == "stop":
                 self.stopped_at = state.global_step + 1
                 control.should_training_stop = True
-        elif self.clip is not None and math.isfinite(norm):
-            clip_(model, self.clip, norm)
+        elif self.clip is not None:
+            clip_(model, self.clip, self.norm)
 
     def decide(self, step: int, loss: float, norm: float, model) -> str | None:
         raise NotImplementedError
@@ -158,8 +156,9 @@ class NonFiniteStop(PeerCallback):
 class ZClip(PeerCallback):
     clip = None  # its own rule clips
 
-    def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, warmup: int = 25, max_norm: float = 1.0,
-                 eps: float = 1e-6):
+    def __init__(
+        self, alpha: float = 0.97, z_thresh: float = 2.5, warmup: int = 25, max_norm: float = 1.0, eps: float = 1e-6
+    ):
         super().__init__()
         self.alpha, self.z_thresh, self.warmup, self.max_norm, self.eps = alpha, z_thresh, warmup, max_norm, eps
         self.buffer: list[float] = []
@@ -173,13 +172,13 @@ class ZClip(PeerCallback):
             if len(self.buffer) >= self.warmup:
                 self.mean = sum(self.buffer) / len(self.buffer)
                 self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
-            clip_(model, self.max_norm, norm)
+            clip_(model, self.max_norm, self.norm)
             return
-        std = self.var ** 0.5
+        std = self.var**0.5
         z = (norm - self.mean) / (std + self.eps)
-        target = self.mean + self.z_thresh ** 2 * std / z if z > self.z_thresh else None
+        target = self.mean + self.z_thresh**2 * std / z if z > self.z_thresh else None
         self.clips += target is not None
-        clip_(model, min(target if target is not None else norm, self.max_norm), norm)
+        clip_(model, min(target if target is not None else norm, self.max_norm), self.norm)
         seen = target if target is not None else norm
         self.mean = self.alpha * self.mean + (1 - self.alpha) * seen
         self.var = self.alpha * self.var + (1 - self.alpha) * (seen - self.mean) ** 2
@@ -190,8 +189,18 @@ class ZClip(PeerCallback):
 class SpamAdamW(torch.optim.Optimizer):
     """AdamW with periodic moment resets, a cosine update warm-up after each, and spike-aware element clipping."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
-                 interval: int = 500, warmup: int = 150, threshold: float = 5000.0, clip_after: int = 20):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        interval: int = 500,
+        warmup: int = 150,
+        threshold: float = 5000.0,
+        clip_after: int = 20,
+    ):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.interval, self.warmup, self.threshold, self.clip_after = interval, warmup, threshold, clip_after
         self.done = 0  # optimizer steps taken

@@ -63,6 +63,7 @@ def _quiet() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore")
     logging.getLogger("hf_stable").setLevel(logging.CRITICAL)
 
@@ -71,11 +72,11 @@ def _ints(values: list[str]) -> list[int]:
     return [int(v) for item in values for v in item.split(",") if v]
 
 
-def _names(values: list[str], allowed, what: str) -> list[str]:
+def _names(parser, values: list[str], allowed, what: str) -> list[str]:
     names = [v for item in values for v in item.split(",") if v]
     bad = [n for n in names if n not in allowed]
     if bad:
-        raise SystemExit(f"--{what}: unknown {', '.join(bad)} (allowed: {', '.join(allowed)})")
+        parser.error(f"--{what}: unknown {', '.join(bad)} (allowed: {', '.join(allowed)})")  # exit code 2
     return names
 
 
@@ -134,17 +135,26 @@ def run_ddp(jobs: list[tuple[str, str, int]], steps: int, timeout: int = 1800) -
     with tempfile.TemporaryDirectory() as tmp:
         base_dir, out = Path(tmp, "base"), Path(tmp, "out.jsonl")
         _STATE["bases"]["small"].save_pretrained(base_dir)
-        spec = {"base_dir": str(base_dir), "steps": steps,
-                "runs": jobs, "out": str(out), "timeout": timeout - 30}
+        spec = {"base_dir": str(base_dir), "steps": steps, "runs": jobs, "out": str(out), "timeout": timeout - 30}
         Path(tmp, "spec.json").write_text(json.dumps(spec))
-        cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()),
-               str(Path(__file__).with_name("rescue_ddp.py")), str(Path(tmp, "spec.json"))]
+        cmd = [
+            str(torchrun),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(Path(__file__).with_name("rescue_ddp.py")),
+            str(Path(tmp, "spec.json")),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path[:2])}
         proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True, check=False)
         results = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
         if proc.returncode != 0 or len(results) != len(jobs):
-            print(f"DDP runs failed (exit {proc.returncode}, {len(results)}/{len(jobs)} results):\n"
-                  f"{proc.stderr[-3000:]}", file=sys.stderr)
+            print(
+                f"DDP runs failed (exit {proc.returncode}, {len(results)}/{len(jobs)} results):\n"
+                f"{proc.stderr[-3000:]}",
+                file=sys.stderr,
+            )
     for r in results:
         _progress(r)
     return results
@@ -160,8 +170,11 @@ def _free_port() -> int:
 
 def _progress(r: dict) -> None:
     stop = f" stopped@{r['stopped']}" if r.get("stopped") else ""
-    print(f"  {r['case']:<12} {r['arm']:<16} seed {r['seed']}: eval {r['eval_loss']:.3f} skips {r['skips']} "
-          f"rollbacks {r['rollbacks']}{stop} ({r['cpu_s']:.1f}s cpu)", flush=True)
+    print(
+        f"  {r['case']:<12} {r['arm']:<16} seed {r['seed']}: eval {r['eval_loss']:.3f} skips {r['skips']} "
+        f"rollbacks {r['rollbacks']}{stop} ({r['cpu_s']:.1f}s cpu)",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,22 +187,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="worker processes for the single-process runs")
     opts = parser.parse_args(argv)
     seeds = QUICK["seeds"] if opts.quick else _ints(opts.seeds)
-    cases = QUICK["cases"] if opts.quick else _names(opts.cases, CASES, "cases")
-    arms = _names(opts.arms, ARMS, "arms")
+    cases = QUICK["cases"] if opts.quick else _names(parser, opts.cases, CASES, "cases")
+    arms = _names(parser, opts.arms, ARMS, "arms")
     torch.set_num_threads(1)
     _quiet()
     t0, cpu0 = time.perf_counter(), time.process_time()
     runs = plan(cases, arms, seeds)
-    bases = sorted({CASES[c].base for c, _, _ in runs} | ({"small"} if any(CASES[c].ddp for c, _, _ in runs) else set()))
+    bases = sorted(
+        {CASES[c].base for c, _, _ in runs} | ({"small"} if any(CASES[c].ddp for c, _, _ in runs) else set())
+    )
     _STATE.update(steps=opts.steps, bases={}, before={})
     for name in bases:
         _STATE["bases"][name] = pretrain_base(name)
         _STATE["before"][name] = _eval_before(_STATE["bases"][name])
     _STATE["fp16_scale"] = fp16_scale(_STATE["bases"]["small"]) if "small" in bases else 1.0
     before = ", ".join(f"{k} {v:.3f}" for k, v in _STATE["before"].items())
-    print(f"bases pretrained ({time.process_time() - cpu0:.0f}s cpu); eval loss before fine-tuning: {before}; "
-          f"emulated fp16 overflows at |y| > {65504 / _STATE['fp16_scale']:.2f}; "
-          f"{len(runs)} runs x {opts.steps} steps", flush=True)
+    print(
+        f"bases pretrained ({time.process_time() - cpu0:.0f}s cpu); eval loss before fine-tuning: {before}; "
+        f"emulated fp16 overflows at |y| > {65504 / _STATE['fp16_scale']:.2f}; "
+        f"{len(runs)} runs x {opts.steps} steps",
+        flush=True,
+    )
     local = [r for r in runs if not CASES[r[0]].ddp]
     ddp = [r for r in runs if CASES[r[0]].ddp]
     results = run_local(local, opts.jobs) + (run_ddp(ddp, opts.steps) if ddp else [])
@@ -198,11 +216,15 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(table(results)))
     refs = sorted({(CASES[r["case"]].clean, r["seed"]) for r in results})
     plain = {(r["case"], r["seed"]): r["eval_loss"] for r in results if r["arm"] == "plain"}
-    print("reference (plain clean eval loss): " + ", ".join(f"{c}/seed{s} {plain.get((c, s), float('nan')):.3f}"
-                                                            for c, s in refs))
+    print(
+        "reference (plain clean eval loss): "
+        + ", ".join(f"{c}/seed{s} {plain.get((c, s), float('nan')):.3f}" for c, s in refs)
+    )
     cpu_total = sum(r["cpu_s"] for r in results)
-    print(f"total {time.perf_counter() - t0:.0f}s wall; run CPU time {cpu_total:.0f}s (+{time.process_time() - cpu0:.0f}s "
-          f"in this process); DDP runs count rank 0 only")
+    print(
+        f"total {time.perf_counter() - t0:.0f}s wall; run CPU time {cpu_total:.0f}s (+{time.process_time() - cpu0:.0f}s "
+        f"in this process); DDP runs count rank 0 only"
+    )
     print("\n".join(summary(results, noise)))
 
 

@@ -69,26 +69,37 @@ class Case:
         return ("ddp_" if self.ddp else "") + "clean" + ("" if self.base == "small" else f"_{self.base}")
 
 
-CASES = {c.name: c for c in [
-    Case("clean", "no fault, tuned LR (the reference; no arm may be worse than plain here)"),
-    Case("clean_deep", "no fault on the 8-layer base (reference of attn_logits)", base="deep"),
-    Case("clean_wide", "no fault on the hidden-128 base (reference of its cases)", base="wide"),
-    Case("lr_10x", "LR 10x the tuned one, sustained", lr_mult=10),
-    Case("lr_30x", "LR 30x the tuned one, sustained, hidden-128 base", base="wide", lr_mult=30),
-    Case("no_warmup", "the tuned LR without warmup, hidden-128 base", base="wide", warmup=0),
-    Case("attn_logits", "8-layer base at 10x LR: attention logits climb", base="deep", lr_mult=10, logits=True),
-    Case("fp16", "emulated fp16: 4% of the batches overflow in some layer (inf loss)", precision="fp16"),
-    Case("bf16", "CPU bf16 autocast at the tuned LR", precision="bf16"),
-    Case("nan", "loss NaN at 3 random steps", fault="nan", n_faults=3),
-    Case("spikes", "loss x1e3 at 3 random steps", fault="spike", n_faults=3),
-    Case("poison", "2 batches of uniform garbage tokens", fault="poison", n_faults=2),
-    Case("poison_burst", f"{BURST} consecutive garbage batches (a corrupted shard)", fault="burst", n_faults=BURST),
-    Case("mislabeled", "30% of the records are another task's sequences", mislabeled=0.3),
-    Case("long_sample", f"2 steps with one extra {LONG}-token other-task sample", fault="long", n_faults=2),
-    Case("ddp_clean", "2 gloo ranks, no fault (reference of the DDP cases)", ddp=True),
-    Case("ddp_nan", "2 gloo ranks: loss NaN at 3 steps on rank 1 only", fault="nan", n_faults=3, ddp=True),
-    Case("ddp_spike", "2 gloo ranks: loss x1e3 at 3 steps on rank 1 only", fault="spike", n_faults=3, ddp=True),
-]}
+CASES = {
+    c.name: c
+    for c in [
+        Case("clean", "no fault, tuned LR (the reference; no arm may be worse than plain here)"),
+        Case("clean_deep", "no fault on the 8-layer base (reference of attn_logits)", base="deep"),
+        Case("clean_wide", "no fault on the hidden-128 base (reference of its cases)", base="wide"),
+        Case("lr_10x", "LR 10x the tuned one, sustained", lr_mult=10),
+        Case("lr_30x", "LR 30x the tuned one, sustained, hidden-128 base", base="wide", lr_mult=30),
+        Case("no_warmup", "the tuned LR without warmup, hidden-128 base", base="wide", warmup=0),
+        Case(
+            "attn_logits",
+            "8-layer base at 3x LR: attention logits climb (no loss spike)",
+            base="deep",
+            lr_mult=3,
+            logits=True,
+        ),
+        Case("fp16", "emulated fp16: 4% of the batches overflow in some layer (inf loss)", precision="fp16"),
+        Case("bf16", "CPU bf16 autocast at the tuned LR", precision="bf16"),
+        Case("nan", "loss NaN at 3 random steps", fault="nan", n_faults=3),
+        Case("spikes", "loss x1e3 at 3 random steps", fault="spike", n_faults=3),
+        Case("poison", "2 batches of uniform garbage tokens", fault="poison", n_faults=2),
+        Case(
+            "poison_burst", f"{BURST} consecutive garbage batches (a corrupted shard)", fault="burst", n_faults=BURST
+        ),
+        Case("mislabeled", "30% of the records are another task's sequences", mislabeled=0.3),
+        Case("long_sample", f"2 steps with one extra {LONG}-token other-task sample", fault="long", n_faults=2),
+        Case("ddp_clean", "2 gloo ranks, no fault (reference of the DDP cases)", ddp=True),
+        Case("ddp_nan", "2 gloo ranks: loss NaN at 3 steps on rank 1 only", fault="nan", n_faults=3, ddp=True),
+        Case("ddp_spike", "2 gloo ranks: loss x1e3 at 3 steps on rank 1 only", fault="spike", n_faults=3, ddp=True),
+    ]
+}
 
 
 # --- data ------------------------------------------------------------------------------------------------------
@@ -135,13 +146,20 @@ def pretrain_base(name: str, steps: int = 250):
 
     spec = BASES[name]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden,
-                         num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-                         num_key_value_heads=spec.kv_heads, max_position_embeddings=LONG)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=spec.hidden,
+        intermediate_size=2 * spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=LONG,
+    )
     base = LlamaForCausalLM(config)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
-        args = training_args(tmp, per_device_train_batch_size=16, max_steps=steps, learning_rate=3e-3, seed=0,
-                             warmup_steps=10)
+        args = training_args(
+            tmp, per_device_train_batch_size=16, max_steps=steps, learning_rate=3e-3, seed=0, warmup_steps=10
+        )
         Trainer(model=base, args=args, train_dataset=rows(markov_ids(steps * 16, seed=5))).train()
     base.eval()
     return base

@@ -43,9 +43,20 @@ LOGIT_EVERY = 10
 
 
 def training_args(out: str, **kw) -> TrainingArguments:
-    base = {"output_dir": out, "per_device_train_batch_size": BATCH, "per_device_eval_batch_size": 64, "report_to": [],
-                "use_cpu": True, "save_strategy": "no", "disable_tqdm": True, "logging_steps": 10**6, "dataloader_num_workers": 0,
-                "lr_scheduler_type": "cosine", "warmup_steps": 5, "ddp_find_unused_parameters": False}
+    base = {
+        "output_dir": out,
+        "per_device_train_batch_size": BATCH,
+        "per_device_eval_batch_size": 64,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "logging_steps": 10**6,
+        "dataloader_num_workers": 0,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 5,
+        "ddp_find_unused_parameters": False,
+    }
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -64,10 +75,20 @@ def hf_config(arm: str, steps: int):
     elif arm == "hf_qkclip":
         data = {"attention": {"qk_clip": True, "qk_clip_tau": QK_TAU}}
     elif arm == "hf_phases":  # the default phase boundaries (500 / 2000 steps) at the same fractions of our run
-        data = {"stability": {"guards": {"phases": {"enabled": True, "phases": [
-            {"name": "adamw", "until_step": steps // 5},
-            {"name": "sgd", "until_step": 4 * steps // 5, "lr_scale": 10.0},
-            {"name": "lion", "lr_scale": 0.3}]}}}}
+        data = {
+            "stability": {
+                "guards": {
+                    "phases": {
+                        "enabled": True,
+                        "phases": [
+                            {"name": "adamw", "until_step": steps // 5},
+                            {"name": "sgd", "until_step": 4 * steps // 5, "lr_scale": 10.0},
+                            {"name": "lion", "lr_scale": 0.3},
+                        ],
+                    }
+                }
+            }
+        }
     return config_from_dict(data)
 
 
@@ -124,6 +145,7 @@ def _build(arm: str, model, case: Case, steps: int, training: dict):
 
             def make(args):
                 return wrap_for_phases(build_optimizer(model, same, args), cfg.stability.guards.phases, same)
+
         return StableTrainer, build_callbacks(cfg), guard_training_overrides(cfg.stability.guards, training), make
     checkpoints = peers.Checkpoints(model, CHECKPOINT_EVERY)
     if arm == "olmo_skip":
@@ -136,11 +158,22 @@ def _build(arm: str, model, case: Case, steps: int, training: dict):
         interval = max(2, steps // 2)
 
         def make(args):
-            return peers.SpamAdamW(peers.trainable(model), lr=args.learning_rate, interval=interval,
-                                   warmup=max(1, round(0.3 * interval)), clip_after=min(20, interval // 2))
+            return peers.SpamAdamW(
+                peers.trainable(model),
+                lr=args.learning_rate,
+                interval=interval,
+                warmup=max(1, round(0.3 * interval)),
+                clip_after=min(20, interval // 2),
+            )
+
         return Trainer, [], {"max_grad_norm": 0.0}, make
     if arm == "axolotl_watchdog":
-        return Trainer, [peers.LossWatchdog(threshold=peers.WATCHDOG_THRESHOLD), checkpoints], {"max_grad_norm": 1.0, "logging_steps": 1}, None
+        return (
+            Trainer,
+            [peers.LossWatchdog(threshold=peers.WATCHDOG_THRESHOLD), checkpoints],
+            {"max_grad_norm": 1.0, "logging_steps": 1},
+            None,
+        )
     raise ValueError(f"unknown arm {arm!r}")
 
 
@@ -153,8 +186,9 @@ def weights_digest(model) -> str:
     return hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]
 
 
-def run_one(base, case: Case, arm: str, seed: int, steps: int, fp16_scale: float = 1.0,
-            world: int = 1, rank: int = 0) -> dict:
+def run_one(
+    base, case: Case, arm: str, seed: int, steps: int, fp16_scale: float = 1.0, world: int = 1, rank: int = 0
+) -> dict:
     """Fine-tune `base` under `case` with `arm`; the final eval loss (NaN when weights are non-finite) and counts."""
     from peft import LoraConfig, get_peft_model
 
@@ -171,16 +205,27 @@ def run_one(base, case: Case, arm: str, seed: int, steps: int, fp16_scale: float
     if case.precision == "fp16":
         emulate_fp16(model, fp16_scale)
     faults = Faults(model, case, steps, seed, rank)
-    training = {"max_steps": steps, "learning_rate": CLEAN_LR * case.lr_mult, "seed": seed, "warmup_steps": case.warmup,
-                    "bf16": case.precision == "bf16", "per_device_train_batch_size": BATCH // world}
+    training = {
+        "max_steps": steps,
+        "learning_rate": CLEAN_LR * case.lr_mult,
+        "seed": seed,
+        "warmup_steps": case.warmup,
+        "bf16": case.precision == "bf16",
+        "per_device_train_batch_size": BATCH // world,
+    }
     trainer_cls, callbacks, overrides, make_optimizer = _build(arm, model, case, steps, training)
     meter = LogitMeter(LOGIT_EVERY) if case.logits else None
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
         args = training_args(tmp, **{**training, **overrides})
         optimizer = make_optimizer(args) if make_optimizer else None
-        trainer = trainer_cls(model=model, args=args, train_dataset=train_rows(case, seed, steps * BATCH),
-                              eval_dataset=eval_rows(), callbacks=callbacks + ([meter] if meter else []),
-                              optimizers=(optimizer, None))
+        trainer = trainer_cls(
+            model=model,
+            args=args,
+            train_dataset=train_rows(case, seed, steps * BATCH),
+            eval_dataset=eval_rows(),
+            callbacks=callbacks + ([meter] if meter else []),
+            optimizers=(optimizer, None),
+        )
         trainer.train()
         stopped = next((cb.stopped_at for cb in callbacks if getattr(cb, "stopped_at", None)), None)
         checkpoint = None
@@ -192,8 +237,19 @@ def run_one(base, case: Case, arm: str, seed: int, steps: int, fp16_scale: float
     events = _events(callbacks)
     skips = events.count("step_skipped") + sum(getattr(cb, "skips", 0) for cb in callbacks)
     logits = meter.values + [max_logit(model)] if meter else []
-    return {"case": case.name, "arm": arm, "seed": seed, "eval_loss": eval_loss, "stopped": stopped,
-            "checkpoint": checkpoint, "skips": skips, "rollbacks": events.count("rollback"),
-            "faults": sorted(faults.at), "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0,
-            "logit_final": logits[-1] if logits else math.nan, "logit_peak": max(logits) if logits else math.nan,
-            "digest": weights_digest(model)}
+    return {
+        "case": case.name,
+        "arm": arm,
+        "seed": seed,
+        "eval_loss": eval_loss,
+        "stopped": stopped,
+        "checkpoint": checkpoint,
+        "skips": skips,
+        "rollbacks": events.count("rollback"),
+        "faults": sorted(faults.at),
+        "cpu_s": time.process_time() - cpu0,
+        "wall_s": time.perf_counter() - wall0,
+        "logit_final": logits[-1] if logits else math.nan,
+        "logit_peak": max(logits) if logits else math.nan,
+        "digest": weights_digest(model),
+    }

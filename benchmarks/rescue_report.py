@@ -58,19 +58,26 @@ def table(results: list[dict]) -> list[str]:
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in results:
         groups[(r["case"], r["arm"])].append(r)
-    lines = [(f"{'case':<12} {'arm':<16} {'eval/clean per seed':<22} {'verdicts':<26} {'skips':<9} {'rollb':<7} "
-             f"{'cpu_x':>5}  {'max_logit (final/peak)'}")]
+    lines = [
+        (
+            f"{'case':<12} {'arm':<16} {'eval/clean per seed':<22} {'verdicts':<26} {'skips':<9} {'rollb':<7} "
+            f"{'cpu_x':>5}  {'max_logit (final/peak)'}"
+        )
+    ]
     order = {name: i for i, name in enumerate(CASES)}
     for (case, arm), runs in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1] != "plain")):
         runs.sort(key=lambda r: r["seed"])
-        verdicts = [("survived" if arm == "plain" and v == "ok" and case != CASES[case].clean else v)
-                    for v in (r["verdict"] for r in runs)]
+        verdicts = [
+            ("survived" if arm == "plain" and v == "ok" and case != CASES[case].clean else v)
+            for v in (r["verdict"] for r in runs)
+        ]
         logits = "/".join(f"{_fmt(r['logit_final'], '.1f')}/{_fmt(r['logit_peak'], '.1f')}" for r in runs)
         cpu = statistics.fmean(r["cpu_x"] for r in runs)
         lines.append(
             f"{case:<12} {arm:<16} {'/'.join(_fmt(r['ratio']) for r in runs):<22} {','.join(verdicts):<26} "
             f"{'/'.join(str(r['skips']) for r in runs):<9} {'/'.join(str(r['rollbacks']) for r in runs):<7} "
-            f"{_fmt(cpu, '.2f'):>5}  {logits if CASES[case].logits else ''}")
+            f"{_fmt(cpu, '.2f'):>5}  {logits if CASES[case].logits else ''}"
+        )
     return lines
 
 
@@ -84,15 +91,20 @@ def summary(results: list[dict], noise: float) -> list[str]:
     lines = []
     for arm, runs in by_arm.items():
         ok = sum(r["verdict"] == "ok" for r in runs)
-        clean = [r["score"] - plain_clean[r["seed"]] for r in runs if r["case"] == "clean" and r["seed"] in plain_clean]
+        clean = [
+            r["score"] - plain_clean[r["seed"]] for r in runs if r["case"] == "clean" and r["seed"] in plain_clean
+        ]
         worse = max(clean) if clean else math.nan
         flag = " WORSE THAN PLAIN ON CLEAN" if clean and worse > noise else ""
         lines.append(f"arm={arm} ok={ok}/{len(runs)} clean_vs_plain={_fmt(worse, '+.4f')}{flag}")
     hf = {(r["case"], r["seed"]): r for r in by_arm.get("hf_stable", [])}
     if not hf:
         return lines
-    peer_ok = {arm: sum(r["verdict"] == "ok" for r in by_arm[arm] if (r["case"], r["seed"]) in hf)
-               for arm in PEERS if arm in by_arm}
+    peer_ok = {
+        arm: sum(r["verdict"] == "ok" for r in by_arm[arm] if (r["case"], r["seed"]) in hf)
+        for arm in PEERS
+        if arm in by_arm
+    }
     best = max(peer_ok, key=lambda a: peer_ok[a]) if peer_ok else None
     best_runs = {(r["case"], r["seed"]): r for r in by_arm.get(best, [])}
     not_worse = 0
@@ -102,10 +114,14 @@ def summary(results: list[dict], noise: float) -> list[str]:
         for arm in peer_ok:  # every peer that beat hf_stable here, for the README's discussion
             q = next((r for r in by_arm[arm] if (r["case"], r["seed"]) == key), None)
             if q is not None and h["verdict"] != "ok" and (q["verdict"] == "ok" or q["score"] + noise < h["score"]):
-                lines.append(f"peer_beats_hf_stable: case={key[0]} seed={key[1]} peer={arm} "
-                             f"{q['verdict']} {_fmt(q['score'])} vs hf_stable {h['verdict']} {_fmt(h['score'])}")
+                lines.append(
+                    f"peer_beats_hf_stable: case={key[0]} seed={key[1]} peer={arm} "
+                    f"{q['verdict']} {_fmt(q['score'])} vs hf_stable {h['verdict']} {_fmt(h['score'])}"
+                )
     n = len(hf)
     lines.append(f"noise={noise:.4f} (2 x relative std over seeds of plain's clean eval loss); best peer: {best}")
-    lines.append(f"hf_stable_ok={sum(r['verdict'] == 'ok' for r in hf.values())}/{n} "
-                 f"best_peer_ok={peer_ok.get(best, 0)}/{n} hf_stable_not_worse_than_best_peer={not_worse}/{n}")
+    lines.append(
+        f"hf_stable_ok={sum(r['verdict'] == 'ok' for r in hf.values())}/{n} "
+        f"best_peer_ok={peer_ok.get(best, 0)}/{n} hf_stable_not_worse_than_best_peer={not_worse}/{n}"
+    )
     return lines
