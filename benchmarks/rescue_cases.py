@@ -212,12 +212,14 @@ def emulate_fp16(model, scale: float) -> None:
 
 # --- faults ----------------------------------------------------------------------------------------------------
 def fault_steps(case: Case, steps: int, seed: int) -> list[int]:
+    """The case's fault steps: away from the first and last 10 (20 for a burst) when the run is long enough."""
     rng = random.Random(1000 + seed)
     if case.fault == "burst":
-        start = rng.randrange(20, steps - BURST - 20)
+        start = rng.randrange(min(20, steps // 4), max(min(20, steps // 4) + 1, steps - BURST - 20))
         return list(range(start, start + BURST))
     if case.fault:
-        return sorted(rng.sample(range(10, steps - 10), case.n_faults))
+        lo = min(10, steps // 4)
+        return sorted(rng.sample(range(lo, max(lo + case.n_faults, steps - lo)), case.n_faults))
     return []
 
 
