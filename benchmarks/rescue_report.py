@@ -87,12 +87,16 @@ def summary(results: list[dict], noise: float) -> list[str]:
     by_arm: dict[str, list[dict]] = defaultdict(list)
     for r in judged:
         by_arm[r["arm"]].append(r)
-    plain_clean = {r["seed"]: r["score"] for r in judged if r["case"] == "clean" and r["arm"] == "plain"}
+    # every clean case the arm ran (clean, clean_deep ...) against plain's run of it
+    plain_clean = {(r["case"], r["seed"]): r["score"] for r in results if r["arm"] == "plain"}
+    is_clean = {r["case"] for r in results if CASES[r["case"]].clean == r["case"]}
     lines = []
     for arm, runs in by_arm.items():
         ok = sum(r["verdict"] == "ok" for r in runs)
         clean = [
-            r["score"] - plain_clean[r["seed"]] for r in runs if r["case"] == "clean" and r["seed"] in plain_clean
+            r["score"] - plain_clean[(r["case"], r["seed"])]
+            for r in results
+            if r["arm"] == arm and r["case"] in is_clean and (r["case"], r["seed"]) in plain_clean
         ]
         worse = max(clean) if clean else math.nan
         flag = " WORSE THAN PLAIN ON CLEAN" if clean and worse > noise else ""
