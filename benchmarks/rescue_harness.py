@@ -1,0 +1,255 @@
+"""One rescue-benchmark run: a case x an arm x a seed, in the same harness for every arm.
+
+Harness: the case's base, LoRA r=8 on every linear layer (seeded), the Trainer's AdamW (weight decay 0), cosine
+schedule with the case's warmup, batch 8 (4 per rank under DDP), `max_steps`, eval on held-out language-B rows.
+An arm only adds its stability mechanism (callbacks, its own clip, or its optimizer):
+
+* `plain`      - `Trainer`, `max_grad_norm=1.0` (the default clip).
+* `hf_stable`  - what the recipe runs: `StableTrainer`, `build_callbacks(RunConfig)` (default monitors, guards
+  and the attention-logit monitor, with the model on the `hf_stable` attention implementation) and
+  `guard_training_overrides` (`max_grad_norm=0`: hf_stable clips).
+* `hf_snr` / `hf_qkclip` / `hf_phases` - the same plus one opt-in guard, set in the recipe's YAML mapping
+  (`config_from_dict`), on the cases that are theirs.
+* the peers of `peers.py`: `olmo_skip`, `titan_megatron`, `zclip`, `spam`, `axolotl_watchdog`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import io
+import math
+import tempfile
+import time
+
+import peers
+import torch
+from rescue_cases import BATCH, CLEAN_LR, Case, Faults, emulate_fp16, eval_rows, markov_ids, train_rows
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PEERS = ("plain", "olmo_skip", "titan_megatron", "zclip", "spam", "axolotl_watchdog")
+HF_ARMS = ("hf_stable", "hf_snr", "hf_qkclip", "hf_phases")
+ARMS = ("plain", "hf_stable", *PEERS[1:], *HF_ARMS[1:])
+OPT_IN = {  # the cases each opt-in arm runs on (where its mechanism is meant to act), plus the clean reference
+    "hf_snr": ("clean", "lr_10x", "lr_30x", "no_warmup"),
+    "hf_qkclip": ("clean_deep", "attn_logits"),
+    "hf_phases": ("clean", "lr_10x", "lr_30x"),
+}
+QK_TAU = 20.0  # the deep base's max attention logit starts near 8; 20 = "2.5x the healthy level"
+CHECKPOINT_EVERY = 25
+LOGIT_EVERY = 10
+
+
+def training_args(out: str, **kw) -> TrainingArguments:
+    base = {
+        "output_dir": out,
+        "per_device_train_batch_size": BATCH,
+        "per_device_eval_batch_size": 64,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "logging_steps": 10**6,
+        "dataloader_num_workers": 0,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 5,
+        "ddp_find_unused_parameters": False,
+    }
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def runs_on(arm: str, case: Case) -> bool:
+    return arm not in OPT_IN or case.name.removeprefix("ddp_") in OPT_IN[arm]
+
+
+def hf_config(arm: str, steps: int):
+    """The arm's recipe config, written as a YAML user would write it."""
+    from hf_stable.config.run import config_from_dict
+
+    data: dict = {}
+    if arm == "hf_snr":  # the default interval (100) is for long runs: one check every 10 % of ours
+        data = {"stability": {"guards": {"snr": {"enabled": True, "interval": max(1, steps // 10)}}}}
+    elif arm == "hf_qkclip":
+        data = {"attention": {"qk_clip": True, "qk_clip_tau": QK_TAU}}
+    elif arm == "hf_phases":  # the default phase boundaries (500 / 2000 steps) at the same fractions of our run
+        data = {
+            "stability": {
+                "guards": {
+                    "phases": {
+                        "enabled": True,
+                        "phases": [
+                            {"name": "adamw", "until_step": steps // 5},
+                            {"name": "sgd", "until_step": 4 * steps // 5, "lr_scale": 10.0},
+                            {"name": "lion", "lr_scale": 0.3},
+                        ],
+                    }
+                }
+            }
+        }
+    return config_from_dict(data)
+
+
+@torch.no_grad()
+def max_logit(model) -> float:
+    """Max pre-softmax attention logit (raw scaled q.k) on a fixed batch, by hf_stable's probe, for any arm."""
+    from hf_stable.attention import get_probe, register
+
+    register()
+    inner = model.get_base_model()
+    impl, training = inner.config._attn_implementation, model.training
+    probe = get_probe()
+    inner.set_attn_implementation("hf_stable")
+    model.train()  # the probe samples training-mode forwards only (this one runs without grad: no fault, no tap)
+    try:
+        probe.arm(-1)
+        model(input_ids=markov_ids(16, seed=77, remap=0.5))
+        probe.disarm()
+        value = max(probe.layer_maxima(reduce=True).values())
+    finally:
+        probe.reset()
+        inner.set_attn_implementation(impl)
+        model.train(training)
+    return value
+
+
+class LogitMeter(TrainerCallback):
+    def __init__(self, every: int):
+        self.every, self.values = every, []
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        if state.global_step % self.every == 0:
+            self.values.append(max_logit(model))
+
+
+def _build(arm: str, model, case: Case, steps: int, training: dict):
+    """(trainer class, callbacks, TrainingArguments overrides, optimizer factory of the args or None) of an arm."""
+    if arm == "plain":
+        return Trainer, [], {"max_grad_norm": 1.0}, None
+    if arm in HF_ARMS:
+        from hf_stable.callbacks import build_callbacks
+        from hf_stable.callbacks.guards import guard_training_overrides
+        from hf_stable.trainer import StableTrainer
+
+        cfg = hf_config(arm, steps)
+        cfg.training = training
+        make = None
+        if cfg.stability.guards.phases.enabled:  # as the recipe: the factory's optimizer, wrapped for the phases
+            from hf_stable.callbacks.guards import wrap_for_phases
+            from hf_stable.config.optim import OptimConfig
+            from hf_stable.optim import build_optimizer
+
+            same = OptimConfig(llrd_decay=1.0, lora_plus_ratio=1.0)  # one group at the Trainer's LR, as the others
+
+            def make(args):
+                return wrap_for_phases(build_optimizer(model, same, args), cfg.stability.guards.phases, same)
+
+        return StableTrainer, build_callbacks(cfg), guard_training_overrides(cfg.stability.guards, training), make
+    checkpoints = peers.Checkpoints(model, CHECKPOINT_EVERY)
+    if arm == "olmo_skip":
+        return Trainer, [peers.OlmoSkipStep()], {"max_grad_norm": 0.0}, None
+    if arm == "titan_megatron":
+        return Trainer, [peers.NonFiniteStop(), checkpoints], {"max_grad_norm": 0.0}, None
+    if arm == "zclip":
+        return Trainer, [peers.ZClip()], {"max_grad_norm": 0.0}, None
+    if arm == "spam":
+        interval = max(2, steps // 2)
+
+        def make(args):
+            return peers.SpamAdamW(
+                peers.trainable(model),
+                lr=args.learning_rate,
+                interval=interval,
+                warmup=max(1, round(0.3 * interval)),
+                clip_after=min(20, interval // 2),
+            )
+
+        return Trainer, [], {"max_grad_norm": 0.0}, make
+    if arm == "axolotl_watchdog":
+        return (
+            Trainer,
+            [peers.LossWatchdog(threshold=peers.WATCHDOG_THRESHOLD), checkpoints],
+            {"max_grad_norm": 1.0, "logging_steps": 1},
+            None,
+        )
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def _events(callbacks) -> list[str]:
+    return [e["kind"] for cb in callbacks for e in getattr(cb, "events", [])]
+
+
+def weights_digest(model) -> str:
+    flat = torch.cat([p.detach().reshape(-1).float() for p in peers.trainable(model)])
+    return hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def run_one(
+    base, case: Case, arm: str, seed: int, steps: int, fp16_scale: float = 1.0, world: int = 1, rank: int = 0
+) -> dict:
+    """Fine-tune `base` under `case` with `arm`; the final eval loss (NaN when weights are non-finite) and counts."""
+    from peft import LoraConfig, get_peft_model
+
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    torch.manual_seed(seed)
+    model = copy.deepcopy(base)
+    model.train()
+    if arm in HF_ARMS:  # the recipe loads the model on hf_stable's attention (RunConfig().attention default)
+        from hf_stable.attention import register
+
+        register(hf_config(arm, steps).attention)
+        model.set_attn_implementation("hf_stable")
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+    if case.precision == "fp16":
+        emulate_fp16(model, fp16_scale)
+    faults = Faults(model, case, steps, seed, rank)
+    training = {
+        "max_steps": steps,
+        "learning_rate": CLEAN_LR * case.lr_mult,
+        "seed": seed,
+        "warmup_steps": case.warmup,
+        "bf16": case.precision == "bf16",
+        "per_device_train_batch_size": BATCH // world,
+    }
+    trainer_cls, callbacks, overrides, make_optimizer = _build(arm, model, case, steps, training)
+    meter = LogitMeter(LOGIT_EVERY) if case.logits else None
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+        args = training_args(tmp, **{**training, **overrides})
+        optimizer = make_optimizer(args) if make_optimizer else None
+        trainer = trainer_cls(
+            model=model,
+            args=args,
+            train_dataset=train_rows(case, seed, steps * BATCH),
+            eval_dataset=eval_rows(),
+            callbacks=callbacks + ([meter] if meter else []),
+            optimizers=(optimizer, None),
+        )
+        trainer.train()
+        stopped = next((cb.stopped_at for cb in callbacks if getattr(cb, "stopped_at", None)), None)
+        checkpoint = None
+        if stopped is not None:  # a stopped run is judged by its last checkpoint
+            checkpoint = next(cb for cb in callbacks if isinstance(cb, peers.Checkpoints)).restore()
+        eval_loss = trainer.evaluate()["eval_loss"]
+    if not all(bool(torch.isfinite(p).all()) for p in peers.trainable(model)):
+        eval_loss = float("nan")
+    events = _events(callbacks)
+    skips = events.count("step_skipped") + sum(getattr(cb, "skips", 0) for cb in callbacks)
+    logits = meter.values + [max_logit(model)] if meter else []
+    return {
+        "case": case.name,
+        "arm": arm,
+        "seed": seed,
+        "eval_loss": eval_loss,
+        "stopped": stopped,
+        "checkpoint": checkpoint,
+        "skips": skips,
+        "rollbacks": events.count("rollback"),
+        "faults": sorted(faults.at),
+        "cpu_s": time.process_time() - cpu0,
+        "wall_s": time.perf_counter() - wall0,
+        "logit_final": logits[-1] if logits else math.nan,
+        "logit_peak": max(logits) if logits else math.nan,
+        "digest": weights_digest(model),
+    }
