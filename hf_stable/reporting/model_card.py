@@ -65,10 +65,10 @@ def write_model_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     data_cfg = config.get("data", {})
+    train = data_cfg.get("train_file")
     # named by its directory (`data/embedded/train.jsonl` -> embedded); the packaged `embedded:train` likewise
-    datasets = [
-        "embedded" if embedded_dataset_name(p) else Path(p).parent.name or p for p in (data_cfg.get("train_file"),) if p
-    ]
+    name = "embedded" if embedded_dataset_name(train) else train and (Path(train).parent.name or train)
+    datasets = [name] if name else []
     card_data = ModelCardData(
         base_model=base_model,
         library_name="peft",
