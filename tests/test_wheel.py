@@ -23,11 +23,15 @@ import hf_stable
 pytestmark = pytest.mark.wheel
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_BASE = [
-    "--model.embedded.hidden_size", "64", "--model.embedded.intermediate_size", "128",
-    "--model.embedded.num_hidden_layers", "2", "--model.embedded.vocab_size", "512",
-    "--model.embedded.pretrain_steps", "0", "--training.per_device_train_batch_size", "8",
-]  # fmt: skip
+# The recipe on a seconds-to-build tiny base (as tests/test_doctor.py runs it).
+TINY_BASE = {
+    "model.embedded.hidden_size": 64,
+    "model.embedded.intermediate_size": 128,
+    "model.embedded.num_hidden_layers": 2,
+    "model.embedded.vocab_size": 512,
+    "model.embedded.pretrain_steps": 0,
+    "training.per_device_train_batch_size": 8,
+}
 
 # Run inside the fresh venv: where hf_stable comes from, its version, the packaged default recipe, and a model card
 # written through the library API into the doctor's output directory (the doctor report becomes one of its sections).
@@ -112,8 +116,8 @@ def test_wheel_runs_outside_the_checkout(tmp_path):
     _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path, env, 60)
     python = venv / "bin" / "python"
     _run([*pip, "--python", python, "install", "--no-deps", "--no-index", wheel], tmp_path, env, 120)
-    purelib = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                        tmp_path, env, 60).stdout.strip())  # fmt: skip
+    where = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path, env, 60)
+    purelib = Path(where.stdout.strip())
     assert (purelib / "hf_stable_launcher.pth").is_file()
     # Inside the venv's prefix, as installed dependencies are: dill (datasets' fingerprints) pickles modules from
     # outside sys.prefix by value, and pyarrow's cannot be.
@@ -125,8 +129,9 @@ def test_wheel_runs_outside_the_checkout(tmp_path):
     recipe = work / "recipe.yaml"
     recipe.write_text((ROOT / "configs" / "default.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     out = work / "out"
-    doctor = [venv / "bin" / "hf-stable", "doctor", "--config", recipe, *TINY_BASE,
-              "--model.embedded.cache_dir", work / "bases", "--training.output_dir", out, "--output", out]  # fmt: skip
+    overrides = {**TINY_BASE, "model.embedded.cache_dir": work / "bases", "training.output_dir": out}
+    doctor = [venv / "bin" / "hf-stable", "doctor", "--config", recipe, "--output", out]
+    doctor += [arg for key, value in overrides.items() for arg in (f"--{key}", value)]
     proc = _run([str(a) for a in doctor], work, env, 240)
     report = json.loads((out / "doctor_report.json").read_text(encoding="utf-8"))
     assert report["exit_code"] == 0, proc.stdout[-3000:]
