@@ -20,7 +20,7 @@ import pytest
 
 import hf_stable
 
-pytestmark = pytest.mark.wheel
+pytestmark = [pytest.mark.wheel, pytest.mark.timeout(300)]  # ~20 s on 2 idle cores
 
 ROOT = Path(__file__).resolve().parents[1]
 # The recipe on a seconds-to-build tiny base (as tests/test_doctor.py runs it).
