@@ -1,11 +1,16 @@
 # The two setup commands of the README. Both work on a fresh machine (no venv, no torch):
 #   make demo   - install, then run the main job on the embedded default (offline, CPU)
 #   make test   - install, then run the test suite
+# For the inner loop:
+#   make test-fast - the suite without subprocess recipe runs, 2-process, DeepSpeed and wheel tests (~80 s on 2 cores)
+#   make lint      - ruff's rules and formatting, checked (`ruff check --fix .` / `ruff format .` apply them)
 VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+FAST := not slow and not distributed and not deepspeed and not wheel
+
+.PHONY: setup demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -21,6 +26,13 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest -q
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "$(FAST)"
+
+# Both checks run and both report; the target fails if either found something.
+lint: setup
+	@status=0; $(VENV)/bin/ruff check . || status=1; $(VENV)/bin/ruff format --check . || status=1; exit $$status
 
 bench: setup
 	$(VENV)/bin/python benchmarks/packing.py

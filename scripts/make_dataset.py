@@ -4,7 +4,8 @@
 
 Writes train.jsonl (~2k records, some deliberately dirty: zero-width and control characters, empty
 `input`, outputs with and without a trailing newline) and eval.jsonl (~200 held-out prompts that never
-appear in train). The files are committed; rerunning with the same seed reproduces them byte for byte.
+appear in train). The files are committed as package data (`hf_stable/embedded/data`, which `data/embedded` links
+to; recipes name them `embedded:train` / `embedded:eval`); rerunning with the same seed reproduces them byte for byte.
 """
 
 from __future__ import annotations

@@ -85,6 +85,7 @@ def test_fsdp2_config_wraps_exactly_the_decoder_layers(arch, tokenizer, monkeypa
     assert wrapped == [expected] * model.config.num_hidden_layers
 
 
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("name,stage", [("zero2", 2), ("zero2-offload", 2), ("zero3", 3)])
 def test_deepspeed_json_is_accepted_by_transformers_and_deepspeed(name, stage, tokenizer, tmp_path):
     pytest.importorskip("deepspeed")

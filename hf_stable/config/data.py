@@ -5,16 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hf_stable.resources import data_file, embedded_data_paths, embedded_dataset_name
+
 
 @dataclass
 class DataConfig:
     """Where the data is and how it becomes batches."""
 
     train_file: str = field(
-        default="data/embedded/train.jsonl", metadata={"help": "Training JSONL (alpaca or chat/messages)."}
+        default="embedded:train",
+        metadata={"help": "Training JSONL (alpaca or chat/messages); embedded:train is the packaged dataset."},
     )
     eval_file: str | None = field(
-        default="data/embedded/eval.jsonl", metadata={"help": "Held-out JSONL for eval loss and exact match."}
+        default="embedded:eval",
+        metadata={"help": "Held-out JSONL for eval loss and exact match; embedded:eval is the packaged one."},
     )
     format: Literal["auto", "alpaca", "chat"] = field(
         default="auto", metadata={"help": "Record format; auto looks at the first record's keys."}
@@ -58,4 +62,7 @@ class DataConfig:
             problems.append(f"near_duplicate_threshold: got {self.near_duplicate_threshold}, must be in (0, 1]")
         if not self.train_file:
             problems.append("train_file: empty, name a JSONL file")
+        for name, path in (("train_file", self.train_file), ("eval_file", self.eval_file)):
+            if embedded_dataset_name(path) is not None and data_file(path) is None:
+                problems.append(f"{name}: got {path!r}, the packaged datasets are: {', '.join(embedded_data_paths())}")
         return problems

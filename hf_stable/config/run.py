@@ -24,8 +24,9 @@ from hf_stable.config.optim import OptimConfig
 from hf_stable.config.runtime import RuntimeConfig
 from hf_stable.config.stability import StabilityConfig
 from hf_stable.errors import ConfigError
+from hf_stable.resources import package_file
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+DEFAULT_CONFIG = package_file("recipes", "default.yaml")  # `configs/default.yaml` in the checkout links to it
 
 
 @dataclass
@@ -145,7 +146,7 @@ def read_recipe(path: Path, _seen: tuple = ()) -> dict:
 
 
 def load_config(path: str | Path | None = None, argv: list[str] | None = None, check: bool = True) -> RunConfig:
-    """Load a YAML recipe (default `configs/default.yaml`) and apply `--section.key value` overrides.
+    """Load a YAML recipe (default: the packaged `configs/default.yaml`) and apply `--section.key value` overrides.
 
     Args:
         check: also run every check that needs only the config (`hf_stable.config.checks`): sizes and steps,

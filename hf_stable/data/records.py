@@ -30,6 +30,7 @@ from pathlib import Path
 from hf_stable.data.cleaning import CleaningStats, clean_record
 from hf_stable.data.prompts import answer_text
 from hf_stable.errors import DataError
+from hf_stable.resources import data_file, embedded_data_paths
 
 ROLES = ("system", "user", "assistant", "tool")
 _MAX_EXAMPLES = 20
@@ -176,7 +177,8 @@ def read_records(
     """Read, check and clean one JSONL file.
 
     Args:
-        path: the JSONL file, used as given (relative paths are relative to the working directory).
+        path: the JSONL file, used as given (relative paths are relative to the working directory), or
+            ``embedded:<name>`` for a dataset packaged with hf_stable (``embedded:train``, ``embedded:eval``).
         config_field: the config key the path came from, named in errors.
         format: ``"auto"`` (the first good record decides), ``"alpaca"`` or ``"chat"``.
         on_bad_record: ``"error"`` stops at the first bad line; ``"skip"`` skips and counts it.
@@ -187,7 +189,11 @@ def read_records(
             with ``file:line: what is wrong`` and how to fix or skip it.
     """
     path_s = str(path)
-    p = Path(path)
+    p = data_file(path)
+    if p is None:
+        raise DataError(
+            f"{config_field}: {path_s} is not a packaged dataset; they are: {', '.join(embedded_data_paths())}"
+        )
     if not p.is_file():
         what = "is a directory, not a file" if p.is_dir() else "does not exist"
         raise DataError(

@@ -27,10 +27,12 @@ def _f(severity: str, name: str, what: str, evidence: str = "", fix: str = "") -
 def package_versions() -> dict[str, str | None]:
     import importlib.metadata as md
 
+    from hf_stable import __version__
+
     out: dict[str, str | None] = {"python": platform.python_version()}
     for pkg in PACKAGES:
-        try:
-            out[pkg] = md.version(pkg)
+        try:  # ours from the code that runs: an editable install's metadata can lag behind hf_stable.__version__
+            out[pkg] = __version__ if pkg == "hf-stable" else md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = None
     return out

@@ -1,7 +1,7 @@
 """The Hub-style model card (README.md) written into every run's output dir.
 
-Metadata via `huggingface_hub.ModelCardData`; the body is rendered from `model_cards/template.md`,
-with sections other parts of hf_stable contribute (data audit, optimizer groups, stability report).
+Metadata via `huggingface_hub.ModelCardData`; the body is rendered from the packaged template (`model_cards/template.md`
+in the checkout), with sections other parts of hf_stable contribute (data audit, optimizer groups, stability report).
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from pathlib import Path
 
 import yaml
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "template.md"
+from hf_stable.resources import embedded_dataset_name, package_file
+
+TEMPLATE = package_file("templates", "model_card.md")  # `model_cards/template.md` in the checkout links to it
 
 
 def _fmt(value, digits: int = 4) -> str:
@@ -34,8 +36,11 @@ def _adapter_base(output_dir) -> str | None:
 def _versions() -> str:
     import importlib.metadata as md
 
-    rows = []
-    for pkg in ("hf-stable", "torch", "transformers", "peft", "accelerate", "datasets"):
+    from hf_stable import __version__
+
+    # ours from the code that runs (an editable install's metadata can lag behind it), the rest from their metadata
+    rows = [f"- hf-stable {__version__}"]
+    for pkg in ("torch", "transformers", "peft", "accelerate", "datasets"):
         try:
             rows.append(f"- {pkg} {md.version(pkg)}")
         except md.PackageNotFoundError:
@@ -60,7 +65,10 @@ def write_model_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     data_cfg = config.get("data", {})
-    datasets = [Path(p).parent.name or p for p in (data_cfg.get("train_file"),) if p]
+    train = data_cfg.get("train_file")
+    # named by its directory (`data/embedded/train.jsonl` -> embedded); the packaged `embedded:train` likewise
+    name = "embedded" if embedded_dataset_name(train) else train and (Path(train).parent.name or train)
+    datasets = [name] if name else []
     card_data = ModelCardData(
         base_model=base_model,
         library_name="peft",
