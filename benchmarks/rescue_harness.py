@@ -144,7 +144,7 @@ def _build(arm: str, model, case: Case, steps: int, training: dict):
             same = OptimConfig(llrd_decay=1.0, lora_plus_ratio=1.0)  # one group at the Trainer's LR, as the others
 
             def make(args):
-                return wrap_for_phases(build_optimizer(model, same, args), cfg.stability.guards.phases, same)
+                return wrap_for_phases(build_optimizer(model, same, args), cfg.stability.guards.phases, same, args)
 
         return StableTrainer, build_callbacks(cfg), guard_training_overrides(cfg.stability.guards, training), make
     checkpoints = peers.Checkpoints(model, CHECKPOINT_EVERY)
