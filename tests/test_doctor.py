@@ -202,3 +202,20 @@ def test_config_time_problems_are_blocking_findings(workdir, capsys):
     assert {f["evidence"] for f in findings} == {"training.per_device_train_batch_size", "training.report_to",
                                                  "training.max_steps"}  # fmt: skip
     assert all(f["severity"] == "error" for f in findings)
+
+
+def test_doctor_world_size_is_the_process_groups_once_up(tmp_path, monkeypatch):
+    """The doctor counts ranks with `distributed.launch_world_size`: the launcher's WORLD_SIZE before the process
+    group exists, the group's own size once it is up (a stale or absent WORLD_SIZE no longer wins)."""
+    import torch.distributed as dist
+
+    from hf_stable.doctor.settings import TrainingSettings
+
+    s = TrainingSettings(values={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2})
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert s.effective_batch == 4 * 2 * 3  # torchrun/accelerate set it before any process group exists
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert s.effective_batch == 4 * 2 * 1
+    finally:
+        dist.destroy_process_group()

@@ -103,3 +103,27 @@ def test_preflight_refuses_to_start_unless_overridden(setup):
     cfg.doctor_checks = DoctorConfig(allow_blocking=True, dry_run=False)  # the RunConfig section, once added
     report = preflight(cfg, args, model=model, tokenizer=tok, data=data)
     assert report.blocking and not by_check(report, "dry_run.skipped")
+
+
+def test_dry_run_under_bf16_on_cpu_autocasts_like_the_trainer(setup):
+    """Training autocasts bf16 on CPU (`precision.training_autocast`); the dry run must measure that same path."""
+    import dataclasses
+
+    from hf_stable.precision import training_autocast
+
+    _, cfg, base, _, data = setup
+    model = fresh_model(cfg, base)
+    s = resolve_settings(cfg)
+    s = dataclasses.replace(s, values={**s.values, "bf16": True, "fp16": False})
+    device = next(model.parameters()).device
+    with training_autocast(s, device):
+        trainer_dtype = torch.nn.Linear(4, 4)(torch.ones(1, 4)).dtype
+    seen = []
+    layer = next(m for n, m in model.named_modules() if n.endswith("q_proj.base_layer"))
+    handle = layer.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    try:
+        dry_run(model, data, cfg, s, DoctorConfig(dry_run_steps=1, memory_probe=False))
+    finally:
+        handle.remove()
+    assert device.type == "cpu" and trainer_dtype == torch.bfloat16
+    assert seen and set(seen) == {trainer_dtype}
