@@ -130,3 +130,23 @@ def test_accumulation_refuses_a_start_value_and_data_too_short_for_the_plan(tmp_
     args = training_args(tmp_path, max_steps=10, per_device_train_batch_size=2)  # needs 40 micro-batches, has 24
     with pytest.raises(ConfigError, match="need 40 micro-batches per rank, but the Trainer plans 1 epoch"):
         Trainer(model=model, args=args, train_dataset=token_data(48), callbacks=[acc, lr]).train()
+
+
+def test_accumulation_lr_factor_is_optim_rescale_lr_and_refuses_an_unknown_rule(tmp_path):
+    from hf_stable.optim import rescale_lr
+
+    for rule in ("sqrt", "linear", "none"):
+        lr = LRControl()
+        acc = AccumulationControl(lr, target=4, lr_rule=rule)
+        acc.request("test", 0.5)
+        model = tiny_lora_llama()
+        args = training_args(tmp_path / rule, max_steps=1, per_device_train_batch_size=2)
+        Trainer(model=model, args=args, train_dataset=token_data(16), callbacks=[acc, lr]).train()
+        want = 1.0 if rule == "none" else rescale_lr(1.0, 4, 2, rule)
+        assert acc.current == 2 and lr.factor("accumulation") == pytest.approx(want), rule
+    # one rule table (optim.rescale_lr): a misspelt rule is an error, not a silent sqrt
+    lr = LRControl()
+    acc = AccumulationControl(lr, target=4, lr_rule="linaer")
+    args = training_args(tmp_path / "bad", max_steps=1, per_device_train_batch_size=2)
+    with pytest.raises(ConfigError, match="rule: got 'linaer'"):
+        Trainer(model=tiny_lora_llama(), args=args, train_dataset=token_data(16), callbacks=[acc, lr]).train()
