@@ -424,8 +424,8 @@ def test_register_twice_is_harmless(tokenizer):
     register()
     register(AttentionSettings())
     assert is_registered()
-    assert AttentionInterface._global_mapping["hf_stable"] is hf_stable_attention_forward
-    assert AttentionMaskInterface._global_mapping["hf_stable"] is sdpa_mask
+    assert AttentionInterface()["hf_stable"] is hf_stable_attention_forward
+    assert AttentionMaskInterface()["hf_stable"] is sdpa_mask
     model = make_tiny_model("llama", tokenizer, attn_implementation="hf_stable")
     batch = padded_batch("right")
     ref = make_tiny_model("llama", tokenizer, attn_implementation="sdpa")

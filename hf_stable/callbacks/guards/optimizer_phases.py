@@ -25,7 +25,6 @@ switches at the same step. Not supported with `optimizer_cls_and_kwargs` (FSDP) 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -34,6 +33,7 @@ from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.guards.lr_control import LRControl, unwrap_optimizer
 from hf_stable.callbacks.step_tap import StepTapUser
+from hf_stable.compat import init_optimizer_hooks
 from hf_stable.errors import ConfigError
 from hf_stable.optim.factory import optimizer_over_groups
 from hf_stable.optim.groups import BaseHyperparameters, resolve_hyperparameters
@@ -102,12 +102,7 @@ class PhasedOptimizer(torch.optim.Optimizer):
         self.state_policy = state_policy
         self.phase = 0
         self.current = first
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        init_optimizer_hooks(self)
         self._sync()
 
     def _sync(self) -> None:
