@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -26,6 +25,7 @@ from hf_stable.attention import (
 )
 from hf_stable.attention.kernels import explicit_forward
 from hf_stable.errors import ConfigError, HfStableError, MissingDependencyError
+from tests.helpers import make_tiny_model
 
 LENGTHS = (12, 9, 6)
 

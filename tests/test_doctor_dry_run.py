@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_doctor import by_check, make_workdir, strict_json, tiny_args
 
 from hf_stable.config import DEFAULT_CONFIG, load_config
 from hf_stable.config.doctor import DoctorConfig
@@ -13,6 +12,7 @@ from hf_stable.doctor import REPORT_JSON, DoctorBlockingError, preflight, render
 from hf_stable.doctor.dry_run import dry_run
 from hf_stable.doctor.settings import resolve_settings
 from hf_stable.modeling import apply_lora, load_model, load_tokenizer, resolve_base
+from tests.helpers import by_check, make_workdir, strict_json, tiny_args
 
 
 @pytest.fixture(scope="module")

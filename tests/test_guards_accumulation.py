@@ -3,24 +3,19 @@ per-token loss normalisation stays exact (checked against one forward over the s
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import tiny_lora_llama, token_data, training_args  # noqa: E402
-
-from hf_stable.callbacks.events import read_events  # noqa: E402
-from hf_stable.callbacks.guards import build_guards, guard_training_overrides  # noqa: E402
-from hf_stable.callbacks.guards.accumulation import AccumulationControl  # noqa: E402
-from hf_stable.callbacks.guards.batch_warmup import BatchWarmupGuard  # noqa: E402
-from hf_stable.callbacks.guards.lr_control import LRControl  # noqa: E402
-from hf_stable.callbacks.guards.thermal import ThermalGuard  # noqa: E402
-from hf_stable.config.guards import GuardsConfig  # noqa: E402
-from hf_stable.errors import ConfigError  # noqa: E402
+from hf_stable.callbacks.events import read_events
+from hf_stable.callbacks.guards import build_guards, guard_training_overrides
+from hf_stable.callbacks.guards.accumulation import AccumulationControl
+from hf_stable.callbacks.guards.batch_warmup import BatchWarmupGuard
+from hf_stable.callbacks.guards.lr_control import LRControl
+from hf_stable.callbacks.guards.thermal import ThermalGuard
+from hf_stable.config.guards import GuardsConfig
+from hf_stable.errors import ConfigError
+from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
 
 
 class StepGradientCheck(TrainerCallback):

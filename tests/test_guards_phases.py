@@ -3,23 +3,18 @@ multipliers kept, momentum carried, and a resume mid-phase restoring the right o
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import tiny_lora_llama, token_data, training_args  # noqa: E402
-
-from hf_stable.callbacks.events import read_events  # noqa: E402
-from hf_stable.callbacks.guards import LRControl, OptimizerPhaseGuard, PhasedOptimizer, wrap_for_phases  # noqa: E402
-from hf_stable.callbacks.guards.lr_control import unwrap_optimizer  # noqa: E402
-from hf_stable.config import OptimConfig  # noqa: E402
-from hf_stable.config.guards import OptimizerPhasesConfig, PhaseConfig  # noqa: E402
-from hf_stable.errors import ConfigError  # noqa: E402
-from hf_stable.optim import build_optimizer  # noqa: E402
+from hf_stable.callbacks.events import read_events
+from hf_stable.callbacks.guards import LRControl, OptimizerPhaseGuard, PhasedOptimizer, wrap_for_phases
+from hf_stable.callbacks.guards.lr_control import unwrap_optimizer
+from hf_stable.config import OptimConfig
+from hf_stable.config.guards import OptimizerPhasesConfig, PhaseConfig
+from hf_stable.errors import ConfigError
+from hf_stable.optim import build_optimizer
+from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
 
 PHASES = OptimizerPhasesConfig(enabled=True, phases=[PhaseConfig("adamw", until_step=3),
                                                      PhaseConfig("sgd", until_step=6, lr_scale=10.0),

@@ -8,15 +8,16 @@ the plain Trainer's weights ruined by the same fault.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import Trainer
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import (  # noqa: E402
+from hf_stable.callbacks.events import read_events
+from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard, build_guards
+from hf_stable.config.guards import GuardsConfig
+from tests.dist_scripts.guards_common import (
     LossFault,
     Recorder,
     WeightDamage,
@@ -27,10 +28,6 @@ from guards_common import (  # noqa: E402
     training_args,
     weights_equal,
 )
-
-from hf_stable.callbacks.events import read_events  # noqa: E402
-from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard, build_guards  # noqa: E402
-from hf_stable.config.guards import GuardsConfig  # noqa: E402
 
 
 def _run(tmp, callbacks_for, faults=(), factor=float("nan"), data=None, resume=None, damage=(), **args_kw):

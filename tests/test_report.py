@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import make_tiny_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_stable.callbacks.monitors import build_monitors
 from hf_stable.cli import main as cli_main
 from hf_stable.config import MonitorsConfig
 from hf_stable.reporting.report import REPORT_DIR, REPORT_FILE, render_report
+from tests.helpers import make_tiny_model
 
 
 class _SpikeLoss(TrainerCallback):

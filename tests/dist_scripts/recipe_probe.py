@@ -38,10 +38,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import TrainerCallback
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import PROBE_INPUT_IDS
+from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE_DIR = os.environ.get("HF_STABLE_PROBE_DIR")
