@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rescue import LENGTH, VOCAB, _quiet, markov_rows  # noqa: E402
 
 from hf_stable.callbacks.base import StabilityCallback  # noqa: E402
-from hf_stable.compat import foreach_mul_  # noqa: E402
+from hf_stable.compat import foreach_mul_
 
 CASES = ("clean", "nan_grad", "spike", "fwd_overflow", "damage")
 METHODS = ("plain", "stock", "stable")
