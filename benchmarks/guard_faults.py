@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rescue import LENGTH, VOCAB, _quiet, markov_rows  # noqa: E402
 
 from hf_stable.callbacks.base import StabilityCallback  # noqa: E402
+from hf_stable.compat import foreach_mul_
 
 CASES = ("clean", "nan_grad", "spike", "fwd_overflow", "damage")
 METHODS = ("plain", "stock", "stable")
@@ -78,7 +79,7 @@ class GradFault(StabilityCallback):
                 g = grads[self.rng.randrange(len(grads))]
                 g.view(-1)[self.rng.randrange(g.numel())] = float("nan")
             elif self.case == "spike":
-                torch._foreach_mul_(grads, 1e4)
+                foreach_mul_(grads, 1e4)
 
 
 class WeightDamage(TrainerCallback):

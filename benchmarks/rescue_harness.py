@@ -96,10 +96,11 @@ def hf_config(arm: str, steps: int):
 def max_logit(model) -> float:
     """Max pre-softmax attention logit (raw scaled q.k) on a fixed batch, by hf_stable's probe, for any arm."""
     from hf_stable.attention import get_probe, register
+    from hf_stable.compat import attn_implementation
 
     register()
     inner = model.get_base_model()
-    impl, training = inner.config._attn_implementation, model.training
+    impl, training = attn_implementation(inner), model.training
     probe = get_probe()
     inner.set_attn_implementation("hf_stable")
     model.train()  # the probe samples training-mode forwards only (this one runs without grad: no fault, no tap)
@@ -144,7 +145,7 @@ def _build(arm: str, model, case: Case, steps: int, training: dict):
             same = OptimConfig(llrd_decay=1.0, lora_plus_ratio=1.0)  # one group at the Trainer's LR, as the others
 
             def make(args):
-                return wrap_for_phases(build_optimizer(model, same, args), cfg.stability.guards.phases, same)
+                return wrap_for_phases(build_optimizer(model, same, args), cfg.stability.guards.phases, same, args)
 
         return StableTrainer, build_callbacks(cfg), guard_training_overrides(cfg.stability.guards, training), make
     checkpoints = peers.Checkpoints(model, CHECKPOINT_EVERY)

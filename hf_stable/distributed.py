@@ -50,6 +50,19 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def launch_world_size() -> int:
+    """Processes of this launch, also before the process group exists (the doctor runs before the Trainer starts
+    it): the group's size once it is up, else the launcher's WORLD_SIZE (torchrun and accelerate set it), else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
 def rank() -> int:
     import torch.distributed as dist
 

@@ -68,17 +68,12 @@ def unscale_gradients(optimizer) -> bool | None:
     bf16, and DeepSpeed, whose fp16 optimizer keeps its own flat buffers: read `step_was_skipped` after the step).
     Every rank gets the same answer: gradients are already all-reduced when this hook runs.
     """
-    from torch.amp.grad_scaler import OptState
+    from hf_stable.compat import scaler_unscale_once
 
     scaler = grad_scaler(optimizer)
     if scaler is None or not scaler.is_enabled():
         return None
-    inner = _inner(optimizer)
-    state = scaler._per_optimizer_states[id(inner)]
-    if state["stage"] is OptState.READY:
-        scaler.unscale_(inner)
-    found = state["found_inf_per_device"]
-    return any(v.item() > 0 for v in found.values())
+    return scaler_unscale_once(scaler, _inner(optimizer))
 
 
 def step_was_skipped(optimizer) -> bool | None:

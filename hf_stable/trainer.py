@@ -35,6 +35,7 @@ from transformers import Trainer
 
 from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.ordering import order_for_reporting
+from hf_stable.compat import foreach_mul_, has_mixed_mesh_grads
 from hf_stable.distributed import sharded_training
 
 
@@ -55,7 +56,7 @@ class StableTrainer(Trainer):
             return False
         if self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.XLA):
             return False
-        return not self._has_mixed_mesh_grads(model)
+        return not has_mixed_mesh_grads(self, model)
 
     def _shared_norm(self, model, max_norm: float | None) -> torch.Tensor | None:
         """The step's global gradient norm from `GradStats` (clipping to `max_norm` after reading); None: fall back."""
@@ -82,7 +83,7 @@ class StableTrainer(Trainer):
                     by_device.setdefault(p.grad.device, []).append(p.grad)
             with stats.edited(self.state.global_step, coef):  # our own clip: the statistics stay pre-clip
                 for device, grads in by_device.items():
-                    torch._foreach_mul_(grads, coef.to(device))
+                    foreach_mul_(grads, coef.to(device))
         return dev.global_norm
 
     def _clip_grad_norm(self, model):

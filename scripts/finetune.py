@@ -82,7 +82,7 @@ def main(argv: list[str]) -> None:
         # 3. optimizer groups (layer-wise LR, no-decay groups, LoRA+)
         optimizer = build_optimizer(model, cfg.optim, args)
         if cfg.stability.guards.enabled and cfg.stability.guards.phases.enabled:
-            optimizer = wrap_for_phases(optimizer, cfg.stability.guards.phases, cfg.optim)
+            optimizer = wrap_for_phases(optimizer, cfg.stability.guards.phases, cfg.optim, args)
         table = group_table(optimizer)
         output.write_json("optimizer_groups.json", table)
         print_main(format_group_table(table))

@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -26,6 +25,7 @@ from hf_stable.attention import (
 )
 from hf_stable.attention.kernels import explicit_forward
 from hf_stable.errors import ConfigError, HfStableError, MissingDependencyError
+from tests.helpers import make_tiny_model
 
 LENGTHS = (12, 9, 6)
 
@@ -424,8 +424,8 @@ def test_register_twice_is_harmless(tokenizer):
     register()
     register(AttentionSettings())
     assert is_registered()
-    assert AttentionInterface._global_mapping["hf_stable"] is hf_stable_attention_forward
-    assert AttentionMaskInterface._global_mapping["hf_stable"] is sdpa_mask
+    assert AttentionInterface()["hf_stable"] is hf_stable_attention_forward
+    assert AttentionMaskInterface()["hf_stable"] is sdpa_mask
     model = make_tiny_model("llama", tokenizer, attn_implementation="hf_stable")
     batch = padded_batch("right")
     ref = make_tiny_model("llama", tokenizer, attn_implementation="sdpa")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from transformers import AttentionInterface, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -13,6 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hf_stable.attention import AttentionSettings, get_probe, head_max_logits, register
 from hf_stable.callbacks.attention_monitor import AttentionMonitorCallback, build_attention_callbacks
 from hf_stable.callbacks.events import read_events
+from tests.helpers import make_tiny_model
 
 CAPTURED: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from hf_stable.attention import AttentionSettings, get_probe, layer_mode, qk_clip, register
 from hf_stable.callbacks.attention_monitor import AttentionMonitorCallback
 from hf_stable.callbacks.qk_clip import QKClipCallback
 from hf_stable.errors import ConfigError
+from tests.helpers import make_tiny_model
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_scripts.harness import recipe_args
+
+from tests.dist_scripts.harness import recipe_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

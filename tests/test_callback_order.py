@@ -11,20 +11,16 @@ For the stock `Trainer` (+ `order_for_reporting`), `StableTrainer` and TRL's `SF
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 from transformers import Trainer, TrainerCallback
 from transformers.integrations import TensorBoardCallback, integration_utils
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import all_finite, tiny_lora_llama, token_data, trainable, training_args
-
 from hf_stable.callbacks import StabilityCallback, build_callbacks, order_for_reporting
 from hf_stable.callbacks.guards import SkipGuard
 from hf_stable.config import RunConfig
 from hf_stable.trainer import StableTrainer
+from tests.dist_scripts.guards_common import all_finite, tiny_lora_llama, token_data, trainable, training_args
 
 NAN_STEP = 2
 

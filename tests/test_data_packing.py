@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +12,7 @@ from hf_stable.data.cleaning import CleaningStats, clean_record
 from hf_stable.data.collators import pack_rows
 from hf_stable.data.records import Record
 from hf_stable.embedded.tasks import instruction_dataset
+from tests.helpers import make_tiny_model
 
 
 def _samples(tok, n=6, seed=3):

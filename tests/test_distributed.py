@@ -11,7 +11,9 @@ import math
 
 import pytest
 import torch
-from dist_scripts.harness import (
+
+from hf_stable.checkpoints import MARKER_FILE, checkpoint_problems
+from tests.dist_scripts.harness import (
     CPU,
     PROBE_INPUT_IDS,
     ddp_args,
@@ -21,8 +23,6 @@ from dist_scripts.harness import (
     recipe_args,
     strip_timing,
 )
-
-from hf_stable.checkpoints import MARKER_FILE, checkpoint_problems
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(400)]
 

@@ -68,8 +68,9 @@ def test_fsdp2_config_wraps_exactly_the_decoder_layers(arch, tokenizer, monkeypa
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from accelerate.utils.launch import prepare_multi_gpu_env
-    from conftest import make_tiny_model
     from peft import LoraConfig, get_peft_model
+
+    from tests.helpers import make_tiny_model
 
     parsed = launch_command_parser().parse_args(["--config_file", str(ACCELERATE / "fsdp2.yaml"), "train.py"])
     env = prepare_multi_gpu_env(_validate_launch_command(parsed)[0])  # what `accelerate launch` exports
@@ -89,10 +90,11 @@ def test_fsdp2_config_wraps_exactly_the_decoder_layers(arch, tokenizer, monkeypa
 @pytest.mark.parametrize("name,stage", [("zero2", 2), ("zero2-offload", 2), ("zero3", 3)])
 def test_deepspeed_json_is_accepted_by_transformers_and_deepspeed(name, stage, tokenizer, tmp_path):
     pytest.importorskip("deepspeed")
-    from conftest import make_tiny_model
     from deepspeed.runtime.config import DeepSpeedConfig
     from transformers import TrainingArguments
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    from tests.helpers import make_tiny_model
 
     args = TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, bf16=True, per_device_train_batch_size=4,

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,45 +14,12 @@ from hf_stable.doctor import REPORT_JSON, REPORT_MD, main, render_markdown, rend
 from hf_stable.doctor.environment import numa_cpus, parse_cpulist, sysfs_bus_id
 from hf_stable.doctor.hazards import check_collator, check_fp16_eps, check_learning_rate
 from hf_stable.doctor.settings import resolve_settings
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_args(tmp: Path, arch: str = "llama", *extra: str) -> list[str]:
-    """The default recipe on a seconds-to-build tiny base (no pretraining) and 64 training records."""
-    return [
-        "--model.name_or_path", f"embedded:tiny-{arch}",
-        "--model.embedded.hidden_size", "64", "--model.embedded.intermediate_size", "128",
-        "--model.embedded.num_hidden_layers", "2", "--model.embedded.vocab_size", "512",
-        "--model.embedded.pretrain_steps", "0", "--model.embedded.cache_dir", str(tmp / "bases"),
-        "--data.train_file", str(tmp / "data" / "train.jsonl"), "--data.eval_file", str(tmp / "data" / "eval.jsonl"),
-        "--training.per_device_train_batch_size", "8", "--training.output_dir", str(tmp / "out"),
-        *extra,
-    ]  # fmt: skip
-
-
-def make_workdir(tmp: Path) -> Path:
-    (tmp / "data").mkdir(parents=True, exist_ok=True)
-    for name, n in (("train", 64), ("eval", 8)):
-        lines = (ROOT / f"data/embedded/{name}.jsonl").read_text(encoding="utf-8").split("\n")[:n]
-        (tmp / "data" / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return tmp
+from tests.helpers import by_check, make_workdir, strict_json, tiny_args
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return make_workdir(tmp_path_factory.mktemp("doctor"))
-
-
-def strict_json(text: str) -> dict:
-    def refuse(name):
-        raise ValueError(f"non-standard JSON constant {name}")
-
-    return json.loads(text, parse_constant=refuse)
-
-
-def by_check(report, check: str):
-    return [f for f in report.findings if f.check == check]
 
 
 def test_default_config_has_no_hazard(workdir):
@@ -202,3 +167,20 @@ def test_config_time_problems_are_blocking_findings(workdir, capsys):
     assert {f["evidence"] for f in findings} == {"training.per_device_train_batch_size", "training.report_to",
                                                  "training.max_steps"}  # fmt: skip
     assert all(f["severity"] == "error" for f in findings)
+
+
+def test_doctor_world_size_is_the_process_groups_once_up(tmp_path, monkeypatch):
+    """The doctor counts ranks with `distributed.launch_world_size`: the launcher's WORLD_SIZE before the process
+    group exists, the group's own size once it is up (a stale or absent WORLD_SIZE no longer wins)."""
+    import torch.distributed as dist
+
+    from hf_stable.doctor.settings import TrainingSettings
+
+    s = TrainingSettings(values={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2})
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert s.effective_batch == 4 * 2 * 3  # torchrun/accelerate set it before any process group exists
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert s.effective_batch == 4 * 2 * 1
+    finally:
+        dist.destroy_process_group()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_doctor import by_check, make_workdir, strict_json, tiny_args
 
 from hf_stable.config import DEFAULT_CONFIG, load_config
 from hf_stable.config.doctor import DoctorConfig
@@ -13,6 +12,7 @@ from hf_stable.doctor import REPORT_JSON, DoctorBlockingError, preflight, render
 from hf_stable.doctor.dry_run import dry_run
 from hf_stable.doctor.settings import resolve_settings
 from hf_stable.modeling import apply_lora, load_model, load_tokenizer, resolve_base
+from tests.helpers import by_check, make_workdir, strict_json, tiny_args
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,27 @@ def test_preflight_refuses_to_start_unless_overridden(setup):
     cfg.doctor_checks = DoctorConfig(allow_blocking=True, dry_run=False)  # the RunConfig section, once added
     report = preflight(cfg, args, model=model, tokenizer=tok, data=data)
     assert report.blocking and not by_check(report, "dry_run.skipped")
+
+
+def test_dry_run_under_bf16_on_cpu_autocasts_like_the_trainer(setup):
+    """Training autocasts bf16 on CPU (`precision.training_autocast`); the dry run must measure that same path."""
+    import dataclasses
+
+    from hf_stable.precision import training_autocast
+
+    _, cfg, base, _, data = setup
+    model = fresh_model(cfg, base)
+    s = resolve_settings(cfg)
+    s = dataclasses.replace(s, values={**s.values, "bf16": True, "fp16": False})
+    device = next(model.parameters()).device
+    with training_autocast(s, device):
+        trainer_dtype = torch.nn.Linear(4, 4)(torch.ones(1, 4)).dtype
+    seen = []
+    layer = next(m for n, m in model.named_modules() if n.endswith("q_proj.base_layer"))
+    handle = layer.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    try:
+        dry_run(model, data, cfg, s, DoctorConfig(dry_run_steps=1, memory_probe=False))
+    finally:
+        handle.remove()
+    assert device.type == "cpu" and trainer_dtype == torch.bfloat16
+    assert seen and set(seen) == {trainer_dtype}

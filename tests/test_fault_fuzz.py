@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-from dist_scripts.harness import torchrun_two_ranks
+
+from tests.dist_scripts.harness import torchrun_two_ranks
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "fault_fuzz.py"
 SEEDS, STEPS = 20, 30

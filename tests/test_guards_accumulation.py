@@ -3,24 +3,19 @@ per-token loss normalisation stays exact (checked against one forward over the s
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import tiny_lora_llama, token_data, training_args  # noqa: E402
-
-from hf_stable.callbacks.events import read_events  # noqa: E402
-from hf_stable.callbacks.guards import build_guards, guard_training_overrides  # noqa: E402
-from hf_stable.callbacks.guards.accumulation import AccumulationControl  # noqa: E402
-from hf_stable.callbacks.guards.batch_warmup import BatchWarmupGuard  # noqa: E402
-from hf_stable.callbacks.guards.lr_control import LRControl  # noqa: E402
-from hf_stable.callbacks.guards.thermal import ThermalGuard  # noqa: E402
-from hf_stable.config.guards import GuardsConfig  # noqa: E402
-from hf_stable.errors import ConfigError  # noqa: E402
+from hf_stable.callbacks.events import read_events
+from hf_stable.callbacks.guards import build_guards, guard_training_overrides
+from hf_stable.callbacks.guards.accumulation import AccumulationControl
+from hf_stable.callbacks.guards.batch_warmup import BatchWarmupGuard
+from hf_stable.callbacks.guards.lr_control import LRControl
+from hf_stable.callbacks.guards.thermal import ThermalGuard
+from hf_stable.config.guards import GuardsConfig
+from hf_stable.errors import ConfigError
+from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
 
 
 class StepGradientCheck(TrainerCallback):
@@ -130,3 +125,23 @@ def test_accumulation_refuses_a_start_value_and_data_too_short_for_the_plan(tmp_
     args = training_args(tmp_path, max_steps=10, per_device_train_batch_size=2)  # needs 40 micro-batches, has 24
     with pytest.raises(ConfigError, match="need 40 micro-batches per rank, but the Trainer plans 1 epoch"):
         Trainer(model=model, args=args, train_dataset=token_data(48), callbacks=[acc, lr]).train()
+
+
+def test_accumulation_lr_factor_is_optim_rescale_lr_and_refuses_an_unknown_rule(tmp_path):
+    from hf_stable.optim import rescale_lr
+
+    for rule in ("sqrt", "linear", "none"):
+        lr = LRControl()
+        acc = AccumulationControl(lr, target=4, lr_rule=rule)
+        acc.request("test", 0.5)
+        model = tiny_lora_llama()
+        args = training_args(tmp_path / rule, max_steps=1, per_device_train_batch_size=2)
+        Trainer(model=model, args=args, train_dataset=token_data(16), callbacks=[acc, lr]).train()
+        want = 1.0 if rule == "none" else rescale_lr(1.0, 4, 2, rule)
+        assert acc.current == 2 and lr.factor("accumulation") == pytest.approx(want), rule
+    # one rule table (optim.rescale_lr): a misspelt rule is an error, not a silent sqrt
+    lr = LRControl()
+    acc = AccumulationControl(lr, target=4, lr_rule="linaer")
+    args = training_args(tmp_path / "bad", max_steps=1, per_device_train_batch_size=2)
+    with pytest.raises(ConfigError, match="rule: got 'linaer'"):
+        Trainer(model=tiny_lora_llama(), args=args, train_dataset=token_data(16), callbacks=[acc, lr]).train()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_scripts.harness import torchrun_two_ranks
+
+from tests.dist_scripts.harness import torchrun_two_ranks
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "guards_ddp.py"
 

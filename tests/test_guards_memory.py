@@ -4,25 +4,20 @@ doctor reports the sizes."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import Trainer
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import Recorder, states_equal, tiny_lora_llama, token_data, training_args  # noqa: E402
-
-from hf_stable.callbacks.events import read_events  # noqa: E402
-from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard  # noqa: E402
-from hf_stable.callbacks.guards import snapshot_size as sizing  # noqa: E402
-from hf_stable.callbacks.guards.optimizer_phases import PhasedOptimizer  # noqa: E402
-from hf_stable.config import DEFAULT_CONFIG, load_config  # noqa: E402
-from hf_stable.doctor.hazards import check_host_buffers  # noqa: E402
-from hf_stable.doctor.probes import _lora_numel, model_facts  # noqa: E402
-from hf_stable.doctor.settings import resolve_settings  # noqa: E402
-from hf_stable.errors import ConfigError  # noqa: E402
+from hf_stable.callbacks.events import read_events
+from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard
+from hf_stable.callbacks.guards import snapshot_size as sizing
+from hf_stable.callbacks.guards.optimizer_phases import PhasedOptimizer
+from hf_stable.config import DEFAULT_CONFIG, load_config
+from hf_stable.doctor.hazards import check_host_buffers
+from hf_stable.doctor.probes import _lora_numel, model_facts
+from hf_stable.doctor.settings import resolve_settings
+from hf_stable.errors import ConfigError
+from tests.dist_scripts.guards_common import Recorder, states_equal, tiny_lora_llama, token_data, training_args
 
 
 def _param_bytes(model) -> int:
@@ -53,7 +48,7 @@ def test_snapshot_size_predicts_then_measures_the_optimizer_state():
 
 def _run(tmp, monkeypatch, memory: int, disk: int | None = None, ranks: int = 1, damage=()):
     """A LoRA run with skip + rollback (snapshots every 3 good steps); host memory (and disk) patched."""
-    from guards_common import WeightDamage
+    from tests.dist_scripts.guards_common import WeightDamage
 
     monkeypatch.setattr(sizing, "available_host_memory", lambda: memory)
     if disk is not None:

@@ -3,23 +3,18 @@ multipliers kept, momentum carried, and a resume mid-phase restoring the right o
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import tiny_lora_llama, token_data, training_args  # noqa: E402
-
-from hf_stable.callbacks.events import read_events  # noqa: E402
-from hf_stable.callbacks.guards import LRControl, OptimizerPhaseGuard, PhasedOptimizer, wrap_for_phases  # noqa: E402
-from hf_stable.callbacks.guards.lr_control import unwrap_optimizer  # noqa: E402
-from hf_stable.config import OptimConfig  # noqa: E402
-from hf_stable.config.guards import OptimizerPhasesConfig, PhaseConfig  # noqa: E402
-from hf_stable.errors import ConfigError  # noqa: E402
-from hf_stable.optim import build_optimizer  # noqa: E402
+from hf_stable.callbacks.events import read_events
+from hf_stable.callbacks.guards import LRControl, OptimizerPhaseGuard, PhasedOptimizer, wrap_for_phases
+from hf_stable.callbacks.guards.lr_control import unwrap_optimizer
+from hf_stable.config import OptimConfig
+from hf_stable.config.guards import OptimizerPhasesConfig, PhaseConfig
+from hf_stable.errors import ConfigError
+from hf_stable.optim import build_optimizer
+from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
 
 PHASES = OptimizerPhasesConfig(enabled=True, phases=[PhaseConfig("adamw", until_step=3),
                                                      PhaseConfig("sgd", until_step=6, lr_scale=10.0),
@@ -113,3 +108,33 @@ def test_dloss_trigger_and_wrong_optimizer_is_an_error(tmp_path):
                       callbacks=[OptimizerPhaseGuard(PHASES.phases, LRControl())])
     with pytest.raises(ConfigError, match="PhasedOptimizer"):
         trainer.train()
+
+
+def test_switch_back_to_adamw_keeps_the_factorys_betas_eps_and_fp16_guard(tmp_path):
+    model = tiny_lora_llama()
+    args = training_args(tmp_path, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
+    cfg = OptimConfig(sgd_momentum=0.9)
+    built = build_optimizer(model, cfg, args)
+    phases = OptimizerPhasesConfig(enabled=True, phases=[PhaseConfig("sgd", until_step=2), PhaseConfig("adamw")])
+    opt = wrap_for_phases(build_optimizer(model, cfg, args), phases, cfg, args)
+    assert type(opt.current).__name__ == "SGD"
+    opt.switch(1)
+    assert type(opt.current).__name__ == "AdamW"
+    for key in ("betas", "eps", "fused", "foreach"):
+        assert opt.current.defaults[key] == built.defaults[key], key
+    assert opt.param_groups[0]["betas"] == (0.8, 0.95) and opt.param_groups[0]["eps"] == 1e-6
+
+    # without args, a factory-built AdamW first phase lends its betas/eps to a later AdamW phase
+    again = PhasedOptimizer(build_optimizer(model, cfg, args), ["adamw", "sgd", "adamw"], cfg)
+    again.switch(1)
+    again.switch(2)
+    assert again.param_groups[0]["betas"] == (0.8, 0.95) and again.param_groups[0]["eps"] == 1e-6
+
+    # the fp16 eps guard of the factory applies to a switch too
+    from hf_stable.optim import resolve_hyperparameters
+
+    hp = resolve_hyperparameters(lr=1e-3, eps=1e-8, fp16=True)
+    fp16 = PhasedOptimizer(build_optimizer(model, cfg, args), ["sgd", "adamw"], cfg, hyperparameters=hp)
+    with pytest.warns(UserWarning, match="fp16_eps_min"):
+        fp16.switch(1)
+    assert fp16.param_groups[0]["eps"] == cfg.fp16_eps_min

@@ -9,15 +9,17 @@ run after them.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import (  # noqa: E402
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.events import read_events
+from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard, build_guards
+from hf_stable.config.guards import GuardsConfig
+from hf_stable.trainer import StableTrainer
+from tests.dist_scripts.guards_common import (
     Recorder,
     WeightDamage,
     all_finite,
@@ -27,12 +29,6 @@ from guards_common import (  # noqa: E402
     training_args,
     weights_equal,
 )
-
-from hf_stable.callbacks.base import StabilityCallback  # noqa: E402
-from hf_stable.callbacks.events import read_events  # noqa: E402
-from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard, build_guards  # noqa: E402
-from hf_stable.config.guards import GuardsConfig  # noqa: E402
-from hf_stable.trainer import StableTrainer  # noqa: E402
 
 
 class _EditGrads(StabilityCallback):

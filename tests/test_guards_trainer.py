@@ -8,15 +8,16 @@ the plain Trainer's weights ruined by the same fault.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import Trainer
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import (  # noqa: E402
+from hf_stable.callbacks.events import read_events
+from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard, build_guards
+from hf_stable.config.guards import GuardsConfig
+from tests.dist_scripts.guards_common import (
     LossFault,
     Recorder,
     WeightDamage,
@@ -27,10 +28,6 @@ from guards_common import (  # noqa: E402
     training_args,
     weights_equal,
 )
-
-from hf_stable.callbacks.events import read_events  # noqa: E402
-from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard, build_guards  # noqa: E402
-from hf_stable.config.guards import GuardsConfig  # noqa: E402
 
 
 def _run(tmp, callbacks_for, faults=(), factor=float("nan"), data=None, resume=None, damage=(), **args_kw):
@@ -208,3 +205,21 @@ def _close(a, b) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return a == pytest.approx(b, rel=1e-5, abs=1e-9)
     return a == b
+
+
+def test_logged_learning_rate_is_the_lr_applied_after_a_rollback(tmp_path):
+    """After a rollback halves the LR, the Trainer's own `learning_rate` log shows the LR the optimizer applied
+    (what users read in TensorBoard / W&B); the schedule's value is kept under `lr/scheduled`."""
+
+    def guards_for(model):
+        skip, lr = SkipGuard(), LRControl()
+        return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4), ClipGuard(skip_guard=skip), lr]
+
+    trainer, rec, guards = _run(tmp_path, guards_for, damage=[7], max_steps=11)
+    assert _guard(guards, RollbackGuard).rollbacks == 1
+    logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert sorted(logged) == list(range(1, 12))
+    for step, row in logged.items():
+        assert row["learning_rate"] == pytest.approx(rec.effective_lrs[step][0]), step
+        assert row["lr/scheduled"] == pytest.approx(1e-3) and row["lr/effective"] == row["learning_rate"], step
+    assert logged[8]["learning_rate"] == pytest.approx(1e-3) and logged[10]["learning_rate"] == pytest.approx(5e-4)

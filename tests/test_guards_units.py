@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import Trainer, TrainerControl, TrainerState
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import Recorder, tiny_lora_llama, token_data, training_args  # noqa: E402
-
-from hf_stable.callbacks.grad_stats import GradStats  # noqa: E402
-from hf_stable.callbacks.guards import (  # noqa: E402
+from hf_stable.callbacks.grad_stats import GradStats
+from hf_stable.callbacks.guards import (
     ClipGuard,
     GuardOrderError,
     LRControl,
@@ -26,11 +21,12 @@ from hf_stable.callbacks.guards import (  # noqa: E402
     build_guards,
     guard_training_overrides,
 )
-from hf_stable.callbacks.guards.clipping import site_of  # noqa: E402
-from hf_stable.callbacks.guards.snr_lr import SNRGuard  # noqa: E402
-from hf_stable.config import config_from_dict  # noqa: E402
-from hf_stable.config.guards import GuardsConfig  # noqa: E402
-from hf_stable.errors import ConfigError  # noqa: E402
+from hf_stable.callbacks.guards.clipping import site_of
+from hf_stable.callbacks.guards.snr_lr import SNRGuard
+from hf_stable.config import config_from_dict
+from hf_stable.config.guards import GuardsConfig
+from hf_stable.errors import ConfigError
+from tests.dist_scripts.guards_common import Recorder, tiny_lora_llama, token_data, training_args
 
 
 # --- clipping -------------------------------------------------------------------------------------------------

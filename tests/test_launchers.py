@@ -20,7 +20,10 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
-from dist_scripts.harness import (
+
+from hf_stable.checkpoints import checkpoint_problems
+from hf_stable.launcher import exit_code_for, parse_launch, preemption_settings
+from tests.dist_scripts.harness import (
     baseline_run,
     ddp_args,
     ddp_reference_run,
@@ -29,9 +32,6 @@ from dist_scripts.harness import (
     recipe_args,
     signal_launcher,
 )
-
-from hf_stable.checkpoints import checkpoint_problems
-from hf_stable.launcher import exit_code_for, parse_launch, preemption_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_2PROC = "configs/accelerate/cpu-2proc.yaml"

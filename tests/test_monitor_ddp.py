@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-from dist_scripts.harness import torchrun_two_ranks
+
+from tests.dist_scripts.harness import torchrun_two_ranks
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "monitor_ddp.py"
 

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from torch.overrides import TorchFunctionMode
 
 from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.optim.roles import group_parameters
+from tests.helpers import make_tiny_model
 
 
 class _CountCalls(TorchFunctionMode):

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from hf_stable.callbacks.events import read_events
 from hf_stable.callbacks.grad_monitor import GradientMonitor
 from hf_stable.callbacks.monitors import build_monitors
 from hf_stable.config import MonitorsConfig
+from tests.helpers import make_tiny_model
 
 
 def _data(vocab, n=48, length=24, seed=0):
@@ -183,11 +183,7 @@ def test_anomaly_rerun_names_the_backward_op(tokenizer, tmp_path):
 
 
 def test_a_transient_nan_loss_is_reported_as_not_reproduced(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-    from guards_common import LossFault, tiny_lora_llama, token_data, training_args
+    from tests.dist_scripts.guards_common import LossFault, tiny_lora_llama, token_data, training_args
 
     model = tiny_lora_llama()
     LossFault(model, [3])  # the 3rd training forward only: the locator's re-run of step 3 is clean

@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from peft import LoraConfig, get_peft_model
 from transformers import TrainingArguments
 
@@ -22,6 +21,7 @@ from hf_stable.optim import (
     rescale_lr,
     save_group_table,
 )
+from tests.helpers import make_tiny_model
 
 LR = 3e-4
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from peft import LoraConfig, get_peft_model
 
 from hf_stable.optim import classify, group_parameters, num_decoder_layers, param_groups
+from tests.helpers import make_tiny_model
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

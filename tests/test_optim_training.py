@@ -7,13 +7,13 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_stable.config import OptimConfig
 from hf_stable.optim import build_optimizer, param_groups, trainer_optimizer_factory
+from tests.helpers import make_tiny_model
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from dist_scripts.harness import baseline_run, launch, load_adapter, recipe_args
 
 from hf_stable.precision import grad_scaler, loss_scale, step_was_skipped, unscale_gradients
+from tests.dist_scripts.harness import baseline_run, launch, load_adapter, recipe_args
 
 
 def _losses(out) -> list[float]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import make_tiny_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_stable.callbacks.monitors import build_monitors
 from hf_stable.cli import main as cli_main
 from hf_stable.config import MonitorsConfig
 from hf_stable.reporting.report import REPORT_DIR, REPORT_FILE, render_report
+from tests.helpers import make_tiny_model
 
 
 class _SpikeLoss(TrainerCallback):
@@ -78,3 +78,38 @@ def test_report_heatmap_for_many_groups_and_errors(tmp_path, capsys):
     empty.mkdir()
     assert cli_main(["report", str(empty)]) == 2
     assert "neither trainer_state.json" in capsys.readouterr().err
+
+
+def test_card_plot_draws_the_loss_the_report_draws(tmp_path):
+    """One loss drawing for the model card's loss/LR plot and the report's loss plot: a history with only the
+    per-step loss (`loss/train`) and a NaN step gives both a plot with the same loss line and the NaN marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hf_stable.reporting.plots import plot_loss_lr
+    from hf_stable.reporting.stability_plots import draw_loss, plot_loss
+
+    history = [{"step": s, "loss/train": 3.0 / s} for s in range(1, 7)] + [{"step": 7, "loss/train": float("nan")}]
+    assert plot_loss_lr(history, tmp_path / "card.png") is not None  # before: None (it read only "loss")
+    assert plot_loss(history, [], tmp_path / "report.png") is not None
+    assert plot_loss_lr([{"step": 1, "grad/norm_global": 1.0}], tmp_path / "none.png") is None
+    fig, ax = plt.subplots()
+    assert draw_loss(ax, history, [])
+    labels = [line.get_label() for line in ax.get_lines()]
+    plt.close(fig)
+    assert labels == ["train loss (step)", "non-finite loss"]
+
+
+def test_log_history_reads_the_newest_checkpoint_when_the_run_left_no_state(tmp_path):
+    from hf_stable.reporting.report import load_log_history
+
+    for step in (2, 10, 4):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": step}]}))
+    (tmp_path / "checkpoint-12.tmp").mkdir()  # not a checkpoint name: ignored
+    assert load_log_history(tmp_path) == [{"step": 10}]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 11}]}))
+    assert load_log_history(tmp_path) == [{"step": 11}]

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import TrainerControl, TrainerState
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-peers = pytest.importorskip("peers")
+peers = pytest.importorskip("benchmarks.peers")
 
 
 def _model_with_grad(grad: list[float]) -> torch.nn.Module:

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dist_scripts.harness import baseline_run, launch, load_adapter, recipe_args, strip_timing
 
 from hf_stable.checkpoints import (
     MARKER_FILE,
@@ -24,6 +23,7 @@ from hf_stable.checkpoints import (
     resolve_resume,
 )
 from hf_stable.errors import ConfigError
+from tests.dist_scripts.harness import baseline_run, launch, load_adapter, recipe_args, strip_timing
 
 # ---- checkpoint completeness (no training) ------------------------------------------------------------
 

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import Recorder, tiny_lora_llama, token_data, training_args  # noqa: E402
-
-from hf_stable.callbacks.events import read_events  # noqa: E402
-from hf_stable.callbacks.monitors import build_monitors  # noqa: E402
-from hf_stable.config import MonitorsConfig  # noqa: E402
-from hf_stable.trainer import StableTrainer  # noqa: E402
+from hf_stable.callbacks.events import read_events
+from hf_stable.callbacks.monitors import build_monitors
+from hf_stable.config import MonitorsConfig
+from hf_stable.trainer import StableTrainer
+from tests.dist_scripts.guards_common import Recorder, tiny_lora_llama, token_data, training_args
 
 
 class _CountNormPasses(TrainerCallback):

@@ -223,9 +223,9 @@ def register(config: AttentionSettings | object | None = None) -> AttentionSetti
 
     if config is not None:
         configure(config if isinstance(config, AttentionSettings) else AttentionSettings.from_config(config))
-    if AttentionInterface._global_mapping.get(ATTN_IMPLEMENTATION) is not hf_stable_attention_forward:
+    if AttentionInterface().get(ATTN_IMPLEMENTATION) is not hf_stable_attention_forward:
         AttentionInterface.register(ATTN_IMPLEMENTATION, hf_stable_attention_forward)
-    if AttentionMaskInterface._global_mapping.get(ATTN_IMPLEMENTATION) is not sdpa_mask:
+    if AttentionMaskInterface().get(ATTN_IMPLEMENTATION) is not sdpa_mask:
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
     return current_settings()
 
@@ -236,6 +236,6 @@ def is_registered() -> bool:
     from transformers.masking_utils import AttentionMaskInterface
 
     return (
-        AttentionInterface._global_mapping.get(ATTN_IMPLEMENTATION) is hf_stable_attention_forward
-        and ATTN_IMPLEMENTATION in AttentionMaskInterface._global_mapping
+        AttentionInterface().get(ATTN_IMPLEMENTATION) is hf_stable_attention_forward
+        and ATTN_IMPLEMENTATION in AttentionMaskInterface()
     )

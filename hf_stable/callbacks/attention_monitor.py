@@ -16,13 +16,9 @@ from __future__ import annotations
 
 from hf_stable.attention.probe import LogitProbe, get_probe
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.compat import attn_implementation
 
 IMPLEMENTATION = "hf_stable"
-
-
-def _attn_implementation(model) -> str | None:
-    config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None)
 
 
 def sample_step(step: int, interval: int) -> bool:
@@ -101,7 +97,7 @@ class AttentionMonitorCallback(StabilityCallback):
         super().on_train_begin(args, state, control, **kwargs)
         if not self.enabled:
             return
-        impl = _attn_implementation(kwargs.get("model"))
+        impl = attn_implementation(kwargs.get("model"))
         self._active = impl == IMPLEMENTATION
         if not self._active:
             self.event(

@@ -1,7 +1,7 @@
 """`GradStats`: every gradient statistic of one optimizer step, computed once, on device, with one host transfer.
 
 Why it exists: a per-parameter loop of `p.grad.norm().item()` forces one device→host sync per tensor (hundreds
-per step on a real model). Here the per-tensor L2 norms and max-|g| come from two `torch._foreach_norm` calls,
+per step on a real model). Here the per-tensor L2 norms and max-|g| come from two foreach-norm calls (`compat`),
 per-group sums from `index_add_`, and everything a monitor needs (group norms, global norm, max |grad| and
 where, non-finite tensors per group, plus on-device scalars other monitors attach, e.g. the step's loss) is
 packed into one tensor and moved to the host with a single `.tolist()`.
@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from hf_stable.callbacks.grad_report import DeviceGradStats, GradReport
+from hf_stable.compat import foreach_norm, tensor_version
 from hf_stable.distributed import all_gather_tensor, rank
 from hf_stable.optim.roles import group_parameters
 
@@ -54,7 +55,7 @@ def _gone():
 
 
 def _versions(grads: list) -> list[int]:
-    return [-1 if g is None else g._version for g in grads]
+    return [-1 if g is None else tensor_version(g) for g in grads]
 
 
 def _device_runs(devices: list) -> list[tuple[int, int]]:
@@ -259,7 +260,7 @@ class GradStats:
         # One foreach call per device (entries are device-contiguous), results gathered on the first device.
         # A gradient lives on its parameter's device, so the runs of the full set are known in advance.
         runs = self._full_runs if present is self._entries else _device_runs([g.device for g in grads])
-        l2 = [torch.stack(torch._foreach_norm(grads[a:b], 2.0, dtype=torch.float32)).to(home) for a, b in runs]
+        l2 = [torch.stack(foreach_norm(grads[a:b], 2.0)).to(home) for a, b in runs]
         param_norms = torch.cat(l2) if len(l2) > 1 else l2[0]
         if carried is not None:
             param_norms = param_norms / carried.to(home)
@@ -315,7 +316,7 @@ class GradStats:
                 dev.param_max_abs = torch.maximum(high, -low)
             else:
                 dev.param_max_abs = torch.stack(
-                    [n.to(home) for n in torch._foreach_norm(grads, math.inf, dtype=torch.float32)]
+                    [n.to(home) for n in foreach_norm(grads, math.inf)]
                 )
             if dev.scale is not None:  # the gradients were clipped since the norms were taken: undo it here
                 dev.param_max_abs = dev.param_max_abs / dev.scale.to(home)

@@ -33,6 +33,7 @@ from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training
 from hf_stable.callbacks.step_tap import StepTap, StepTapUser, batch_gradients
+from hf_stable.compat import foreach_norm
 from hf_stable.distributed import all_reduce_tensor
 from hf_stable.logging import get_logger
 from hf_stable.optim.roles import classify
@@ -116,7 +117,7 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         named = stats.named_params
         wants_rerun = dev is not None and suppressed is not None and self.rerun and self._reruns < self.max_reruns
         with torch.no_grad():
-            weights = torch.stack(torch._foreach_norm([p.detach() for _, p in named], 2.0, dtype=torch.float32))
+            weights = torch.stack(foreach_norm([p.detach() for _, p in named], 2.0))
             grads = torch.zeros_like(weights)
             if dev is not None:
                 at = {name: i for i, (name, _) in enumerate(named)}
@@ -170,7 +171,7 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
                 if grads is None:
                     bad[-1] = 1.0
                     break
-                norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).to(bad.device)
+                norms = torch.stack(foreach_norm(grads, 2.0)).to(bad.device)
                 bad[:-1] = torch.maximum(bad[:-1], (~torch.isfinite(norms)).to(torch.float32))
         flags = all_reduce_tensor(bad, "max").tolist()
         if flags[-1]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from hf_stable.attention.probe import LogitProbe, get_probe
 from hf_stable.attention.qk_clip import attention_layers, frozen_norm_bound, layer_mode, qk_clip
-from hf_stable.callbacks.attention_monitor import IMPLEMENTATION, _attn_implementation, sample_step
+from hf_stable.callbacks.attention_monitor import IMPLEMENTATION, sample_step
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.compat import attn_implementation
 from hf_stable.errors import ConfigError
 
 
@@ -90,7 +91,7 @@ class QKClipCallback(StabilityCallback):
         if not self.enabled:
             return
         model = kwargs.get("model")
-        impl = _attn_implementation(model)
+        impl = attn_implementation(model)
         self._active = impl == IMPLEMENTATION
         if not self._active:
             self._warn_once(

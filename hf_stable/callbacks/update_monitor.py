@@ -17,6 +17,7 @@ import torch
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training
+from hf_stable.compat import foreach_copy, foreach_norm, foreach_sub
 from hf_stable.optim.roles import group_parameters
 
 
@@ -111,7 +112,7 @@ class UpdateMonitor(StabilityCallback):
         if not params:
             return
         with torch.no_grad():
-            self._snapshot = torch._foreach_mul([p.detach() for p in params], 1.0)  # one foreach copy
+            self._snapshot = foreach_copy([p.detach() for p in params])
         dev = GradStats.shared(model).device_stats(model, step=state.global_step)
         self._grad_norms = None if dev is None else (dev.groups, dev.group_norms)
 
@@ -125,9 +126,9 @@ class UpdateMonitor(StabilityCallback):
             return
         with torch.no_grad():
             current = [p.detach() for p in params]
-            delta = torch._foreach_sub(current, snapshot)
-            d = torch.stack(torch._foreach_norm(delta, 2.0, dtype=torch.float32)).square()
-            w = torch.stack(torch._foreach_norm(current, 2.0, dtype=torch.float32)).square()
+            delta = foreach_sub(current, snapshot)
+            d = torch.stack(foreach_norm(delta, 2.0)).square()
+            w = torch.stack(foreach_norm(current, 2.0)).square()
             device = d.device
             index = torch.tensor(ids, dtype=torch.long, device=device)
             n = len(names)

@@ -18,7 +18,6 @@ device (where the Trainer would move it anyway).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import math
@@ -28,11 +27,13 @@ import warnings
 import torch
 
 from hf_stable.config.doctor import DoctorConfig
+from hf_stable.distributed import launch_world_size
 from hf_stable.doctor.findings import Finding
 from hf_stable.doctor.gradients import GradientReader, check_trainable, gradient_findings, group_statistics
 from hf_stable.doctor.memory import probe_memory
-from hf_stable.doctor.settings import TrainingSettings, world_size
+from hf_stable.doctor.settings import TrainingSettings
 from hf_stable.optim.roles import group_parameters, named_parameters_once
+from hf_stable.precision import training_autocast
 
 
 def _f(severity: str, name: str, what: str, evidence: str = "", fix: str = "") -> Finding:
@@ -42,7 +43,7 @@ def _f(severity: str, name: str, what: str, evidence: str = "", fix: str = "") -
 def _total_steps(s: TrainingSettings, n_train: int) -> int:
     if int(s.get("max_steps", -1)) > 0:
         return int(s.get("max_steps"))
-    batches = math.ceil(n_train / max(s.micro_batch * world_size(), 1))  # the Trainer's len(dataloader) per rank
+    batches = math.ceil(n_train / max(s.micro_batch * launch_world_size(), 1))  # the Trainer's len(dataloader)/rank
     per_epoch = max(math.ceil(batches / s.accumulation), 1)
     return max(int(math.ceil(per_epoch * float(s.get("num_train_epochs", 1.0)))), 1)
 
@@ -76,10 +77,9 @@ def _target_device(model, s: TrainingSettings) -> torch.device:
 
 
 def _autocast_factory(device: torch.device, s: TrainingSettings):
-    if device.type == "cuda" and (s.bf16 or s.fp16):
-        dtype = torch.bfloat16 if s.bf16 else torch.float16
-        return lambda: torch.autocast("cuda", dtype=dtype)
-    return contextlib.nullcontext
+    """The Trainer's own autocast (`precision.training_autocast`): bf16 on CPU too, so the doctor measures the
+    numeric path the run will take."""
+    return lambda: training_autocast(s, device)
 
 
 def _to(batch: dict, device: torch.device) -> dict:

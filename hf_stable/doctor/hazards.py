@@ -7,9 +7,10 @@ of the model (module names, `model_type`) and two probe samples through the coll
 from __future__ import annotations
 
 from hf_stable.config.doctor import DoctorConfig
+from hf_stable.distributed import launch_world_size
 from hf_stable.doctor.findings import Finding
 from hf_stable.doctor.probes import LORA_WRAPPABLE, ModelFacts, match_targets, probe_collator
-from hf_stable.doctor.settings import TrainingSettings, world_size
+from hf_stable.doctor.settings import TrainingSettings
 
 # Learning rates outside these envelopes are "far outside the usual range" (base LR, the top of the LLRD
 # ladder). Lion's sign update has a fixed magnitude per element, hence its 3-10x smaller LR than AdamW.
@@ -153,7 +154,8 @@ def check_effective_batch(cfg, s: TrainingSettings, doctor: DoctorConfig, n_trai
 
     eff, rule, lr = s.effective_batch, LR_RULE.get(cfg.optim.name, "sqrt"), s.learning_rate
     formula = "b_new/b_old" if rule == "linear" else "sqrt(b_new/b_old)"
-    evidence = (f"{s.micro_batch} per device x {s.accumulation} accumulation x {world_size()} process(es) = {eff}; "
+    ranks = launch_world_size()
+    evidence = (f"{s.micro_batch} per device x {s.accumulation} accumulation x {ranks} process(es) = {eff}; "
                 f"LR rule for {cfg.optim.name}: {rule} (lr x {formula})")  # fmt: skip
     out = []
     ref = doctor.reference_batch

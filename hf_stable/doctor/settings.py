@@ -8,20 +8,12 @@ and the refusal is a finding of its own.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from hf_stable.config.doctor import DoctorConfig
+from hf_stable.distributed import launch_world_size
 from hf_stable.errors import ConfigError
-
-
-def world_size() -> int:
-    """Processes of the launch (accelerate/torchrun set WORLD_SIZE); 1 for a plain `python` run."""
-    try:
-        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
-    except ValueError:
-        return 1
 
 
 @dataclass
@@ -68,7 +60,7 @@ class TrainingSettings:
 
     @property
     def effective_batch(self) -> int:
-        return self.micro_batch * self.accumulation * world_size()
+        return self.micro_batch * self.accumulation * launch_world_size()
 
     @property
     def gradient_checkpointing(self) -> bool:

@@ -39,9 +39,9 @@ def guarded_eps(cfg: OptimConfig, hp: BaseHyperparameters) -> float:
             f"{what}; set training.adam_epsilon >= {cfg.fp16_eps_min} or optim.fp16_eps_guard: clamp"
         )
     if cfg.fp16_eps_guard == "warn":
-        warnings.warn(f"{what}; keeping it (optim.fp16_eps_guard: warn)", stacklevel=3)
+        warnings.warn(f"{what}; keeping it (optim.fp16_eps_guard: warn)", stacklevel=4)
         return hp.eps
-    warnings.warn(f"{what}; using eps={cfg.fp16_eps_min} (optim.fp16_eps_guard: clamp)", stacklevel=3)
+    warnings.warn(f"{what}; using eps={cfg.fp16_eps_min} (optim.fp16_eps_guard: clamp)", stacklevel=4)
     return cfg.fp16_eps_min
 
 
@@ -88,10 +88,25 @@ def build_optimizer(
     hp = resolve_hyperparameters(args, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fp16=fp16)
     check_config(cfg, hp)
     groups = param_groups(model, cfg, lr=hp.lr, weight_decay=hp.weight_decay)
+    return optimizer_over_groups(cfg.name, groups, cfg, hp, key="optim.name")
+
+
+def optimizer_over_groups(
+    name: str, groups: list[dict], cfg: OptimConfig | None, hp: BaseHyperparameters, key: str = "optim.name"
+) -> torch.optim.Optimizer:
+    """The one place an optimizer is constructed: `name` over ready groups (each with its own lr/weight_decay).
+
+    `build_optimizer` and the phased optimizer's switches both come here, so betas, the fp16 eps guard, the AdamW
+    kernel choice, Lion betas and SGD momentum are the same whichever optimizer a run starts or switches to.
+
+    Raises:
+        ConfigError: an unknown `name` (named by `key`), or an fp16 eps below the minimum with guard "error".
+    """
+    cfg = cfg or OptimConfig()
     if any(p.dtype == torch.float16 for g in groups for p in g["params"]):  # pure fp16 weights: the real danger
         hp = dataclasses.replace(hp, fp16=True)
 
-    if cfg.name == "adamw":
+    if name == "adamw":
         return torch.optim.AdamW(
             groups,
             lr=hp.lr,
@@ -100,12 +115,12 @@ def build_optimizer(
             weight_decay=hp.weight_decay,
             **_adamw_kernel(cfg, groups),
         )
-    if cfg.name == "lion":
+    if name == "lion":
         from lion_pytorch import Lion
 
         # lion-pytorch's decay is `p *= 1 - lr * wd`, i.e. decoupled and scaled by each group's LR like AdamW's.
         return Lion(groups, lr=hp.lr, betas=tuple(cfg.lion_betas), weight_decay=hp.weight_decay)
-    if cfg.name == "sgd":
+    if name == "sgd":
         # SGD's weight_decay is L2 (added to the gradient): the same as decoupled decay for plain SGD, close to it
         # with momentum.
         return torch.optim.SGD(
@@ -115,7 +130,7 @@ def build_optimizer(
             nesterov=cfg.sgd_nesterov and cfg.sgd_momentum > 0,
             weight_decay=hp.weight_decay,
         )
-    raise ConfigError(f"optim.name: got {cfg.name!r}, allowed: 'adamw', 'lion', 'sgd'")
+    raise ConfigError(f"{key}: got {name!r}, allowed: 'adamw', 'lion', 'sgd'")
 
 
 class OptimizerFactory:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from collections import Counter
 from pathlib import Path
 
 from hf_stable.callbacks.events import EVENTS_FILE, read_events
+from hf_stable.checkpoints import list_checkpoints
 from hf_stable.errors import HfStableError
 from hf_stable.reporting import stability_plots
 
@@ -34,9 +34,7 @@ class ReportError(HfStableError):
 def load_log_history(output_dir: str | Path) -> list[dict]:
     """`log_history` of OUTPUT_DIR/trainer_state.json, else of the newest checkpoint; [] when there is none."""
     root = Path(output_dir)
-    candidates = [root / "trainer_state.json"]
-    checkpoints = [p for p in root.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
-    candidates += [p / "trainer_state.json" for p in sorted(checkpoints, key=lambda p: -int(p.name.split("-")[1]))]
+    candidates = [root / "trainer_state.json"] + [p / "trainer_state.json" for p in reversed(list_checkpoints(root))]
     for path in candidates:
         if path.is_file():
             return json.loads(path.read_text(encoding="utf-8")).get("log_history", [])

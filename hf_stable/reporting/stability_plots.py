@@ -50,14 +50,14 @@ def _mark_events(ax, events: list[dict]) -> None:
         ax.axvline(ev["step"], color=color, alpha=0.5, linestyle=":", label=label)
 
 
-def plot_loss(history: list[dict], events: list[dict], path: Path) -> Path | None:
+def draw_loss(ax, history: list[dict], events: list[dict]) -> bool:
+    """Train loss (per step when `loss/train` is logged, else the Trainer's logged mean), eval loss, non-finite
+    losses and alert lines on `ax`; False when the history holds no loss. The one loss drawing of every plot."""
     logged = series(history, "loss")
     per_step = series(history, "loss/train")
     evals = series(history, "eval_loss")
     if not (logged or per_step or evals):
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+        return False
     if per_step:
         ax.plot(*zip(*per_step), label="train loss (step)", color="tab:blue", linewidth=1)
     if logged and not per_step:
@@ -68,23 +68,59 @@ def plot_loss(history: list[dict], events: list[dict], path: Path) -> Path | Non
     if nonfinite:
         ax.plot(nonfinite, [ax.get_ylim()[1]] * len(nonfinite), "x", color="tab:red", label="non-finite loss")
     _mark_events(ax, events)
-    ax.set(xlabel="step", ylabel="loss", title="loss (dotted lines: alerts)")
+    ax.set(xlabel="step", ylabel="loss")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")
-    return _save(fig, path)
+    return True
+
+
+def draw_lr(ax, history: list[dict]) -> bool:
+    """The logged learning rate (the LR applied, see README) on `ax`; False when none is logged."""
+    lr = series(history, "learning_rate")
+    if not lr:
+        return False
+    ax.plot(*zip(*lr), label="learning rate", color="tab:orange", alpha=0.8)
+    ax.set(xlabel="step", ylabel="learning rate")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    return True
+
+
+def _drawn(fig, drew: bool, path: Path) -> Path | None:
+    if not drew:
+        _plt().close(fig)
+        return None
+    return _save(fig, Path(path))
+
+
+def plot_loss(history: list[dict], events: list[dict], path: Path) -> Path | None:
+    fig, ax = _plt().subplots(figsize=(7, 3.5), dpi=100)
+    drew = draw_loss(ax, history, events)
+    ax.set_title("loss (dotted lines: alerts)")
+    if drew:
+        ax.legend(fontsize=7, loc="upper right")
+    return _drawn(fig, drew, path)
 
 
 def plot_lr(history: list[dict], path: Path) -> Path | None:
-    lr = series(history, "learning_rate")
-    if not lr:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 2.5), dpi=100)
-    ax.plot(*zip(*lr), color="tab:orange")
-    ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
-    ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    fig, ax = _plt().subplots(figsize=(7, 2.5), dpi=100)
+    drew = draw_lr(ax, history)
+    ax.set_title("learning rate")
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _drawn(fig, drew, path)
+
+
+def plot_loss_lr(history: list[dict], path: Path, title: str = "training", events: list[dict] = ()) -> Path | None:
+    """Loss (left axis) and learning rate (right axis) in one figure, drawn by `draw_loss` and `draw_lr`."""
+    fig, ax = _plt().subplots(figsize=(7, 3.5), dpi=100)
+    ax2 = ax.twinx()
+    drew_loss, drew_lr = draw_loss(ax, history, list(events)), draw_lr(ax2, history)
+    if not drew_lr:
+        ax2.set_axis_off()
+    (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+    handles, labels = h1 + h2, l1 + l2
+    if handles:
+        ax.legend(handles, labels, loc="upper right", fontsize=8)
+    ax.set_title(title)
+    return _drawn(fig, drew_loss or drew_lr, path)
 
 
 def plot_grad_norms(history: list[dict], events: list[dict], path: Path, max_lines: int = 8) -> Path | None:

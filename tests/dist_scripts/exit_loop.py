@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import ROOT, TORCHRUN, recipe_args, session_dir
 
 RECIPE = ROOT / "scripts" / "finetune.py"

@@ -35,8 +35,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
 from guards_common import VOCAB, _trainer_forward, tiny_lora_llama, token_data, training_args

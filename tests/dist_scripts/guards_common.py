@@ -13,10 +13,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
-from hf_stable.callbacks.base import StabilityCallback  # noqa: E402
+from hf_stable.callbacks.base import StabilityCallback
 
 VOCAB = 128
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]

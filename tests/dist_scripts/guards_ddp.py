@@ -26,10 +26,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import torch  # noqa: E402
-from guards_common import (  # noqa: E402
+import torch
+from guards_common import (
     GradFaultOnRank,
     LossFault,
     Recorder,
@@ -40,13 +38,13 @@ from guards_common import (  # noqa: E402
     training_args,
     weights_equal,
 )
-from transformers import Trainer  # noqa: E402
+from transformers import Trainer
 
-from hf_stable.callbacks import GradientMonitor  # noqa: E402
-from hf_stable.callbacks.guards import SkipGuard, build_guards  # noqa: E402
-from hf_stable.config.guards import GuardsConfig  # noqa: E402
-from hf_stable.distributed import shutdown  # noqa: E402
-from hf_stable.trainer import StableTrainer  # noqa: E402
+from hf_stable.callbacks import GradientMonitor
+from hf_stable.callbacks.guards import SkipGuard, build_guards
+from hf_stable.config.guards import GuardsConfig
+from hf_stable.distributed import shutdown
+from hf_stable.trainer import StableTrainer
 
 
 def main(out: str) -> None:

@@ -16,12 +16,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from hf_stable.distributed import shutdown  # noqa: E402
-from hf_stable.callbacks.monitors import build_monitors  # noqa: E402
-from hf_stable.config import MonitorsConfig  # noqa: E402
+from hf_stable.callbacks.monitors import build_monitors
+from hf_stable.config import MonitorsConfig
+from hf_stable.distributed import shutdown
 
 POISONED = "model.layers.1.mlp.down_proj.weight"
 PREFIXES = ("grad/", "loss/", "update/", "mem/", "perf/", "hw/")

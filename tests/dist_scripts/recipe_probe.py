@@ -38,10 +38,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import TrainerCallback
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import PROBE_INPUT_IDS
+from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE_DIR = os.environ.get("HF_STABLE_PROBE_DIR")
@@ -110,7 +108,10 @@ class Probe(TrainerCallback):
 
         preemption = find_preemption(self.trainer)
         Path(PROBE_DIR).mkdir(parents=True, exist_ok=True)
-        (Path(PROBE_DIR) / f"paused_rank{_rank()}").write_text(str(os.getpid()))
+        # written whole, then renamed: the test reads the pid as soon as the name appears
+        tmp = Path(PROBE_DIR) / f".paused_rank{_rank()}.tmp"
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, Path(PROBE_DIR) / f"paused_rank{_rank()}")
         deadline = time.monotonic() + 120
         while not preemption.pending and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -39,13 +39,7 @@ from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.lr_control import LRControl
 from hf_stable.distributed import sharded_training
 from hf_stable.errors import ConfigError
-
-
-def lr_scale(ratio: float, rule: str) -> float:
-    """LR factor for a batch `ratio` of the target (see `hf_stable.optim.rescale_lr`)."""
-    if rule == "none":
-        return 1.0
-    return ratio if rule == "linear" else math.sqrt(ratio)
+from hf_stable.optim.scaling import rescale_lr
 
 
 class AccumulationControl(StabilityCallback):
@@ -124,7 +118,8 @@ class AccumulationControl(StabilityCallback):
         old = self._current
         self._current = value
         self._args.gradient_accumulation_steps = value
-        self.lr_control.set_factor("accumulation", lr_scale(value / self.target, self.lr_rule))
+        factor = 1.0 if self.lr_rule == "none" else rescale_lr(1.0, self.target, value, self.lr_rule)
+        self.lr_control.set_factor("accumulation", factor)
         self.history.append((step + 1, value))
         self.record({"batch/accumulation": float(value)})
         if old is not None and old != value:

@@ -30,6 +30,7 @@ import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradReport, GradStats
+from hf_stable.compat import foreach_mul_
 from hf_stable.distributed import sharded_training
 
 MODES = ("global", "per_group", "adaptive")
@@ -163,7 +164,7 @@ class ClipGuard(StabilityCallback):
         for gi, grads in by_group.items():
             c = coefs.get(dev.groups[gi], 1.0)
             if c < 1.0:
-                torch._foreach_mul_(grads, c)
+                foreach_mul_(grads, c)
 
     def _agc(self, dev) -> None:
         with torch.no_grad():

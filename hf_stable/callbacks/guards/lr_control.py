@@ -7,9 +7,11 @@ product (clamped) is applied on top of whatever the scheduler set:
 * `on_pre_optimizer_step` (just before `optimizer.step()`): remember each group's scheduler LR, set
   `lr = scheduler_lr * product`.
 * `on_optimizer_step` (just after it, before `lr_scheduler.step()`): put the scheduler's values back, so
-  chainable schedulers that read `group["lr"]` never compound the factor and the Trainer's logged
-  `learning_rate` stays the schedule's own value. The effective LR is logged as `lr/effective` and the product as
-  `lr/factor`.
+  chainable schedulers that read `group["lr"]` never compound the factor.
+
+Logged (group 0): `learning_rate` is the LR the optimizer applied (the Trainer's own value, the schedule's, is
+replaced in `on_log`, so TensorBoard / W&B show what was used), `lr/scheduled` the schedule's value,
+`lr/effective` the applied LR again (kept for existing dashboards) and `lr/factor` the product.
 
 A factor changed inside that window (e.g. a rollback decided in `on_pre_optimizer_step` by a guard listed after
 this one) is applied immediately, so the order of guards in the callback list does not matter here. Factors are
@@ -98,6 +100,14 @@ class LRControl(StabilityCallback):
         product = self.product if self.enabled else 1.0
         for group, lr in zip(groups, self._scheduler_lrs):
             group["lr"] = lr * product
+        if self.enabled and self._scheduler_lrs:
+            # recorded on every (re)application, so a factor set later in the step is what the log shows
+            applied = groups[0]["lr"]
+            self.record({"lr/factor": self.product, "lr/effective": applied, "learning_rate": applied,
+                         "lr/scheduled": self._scheduler_lrs[0]})
+            self._named |= set(self._factors)
+            # a factor back at 1.0 is logged as 1.0 (not left at its last value in a multi-step log line)
+            self.record({f"lr/factor/{name}": self._factors.get(name, 1.0) for name in sorted(self._named)})
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is None:
@@ -105,11 +115,6 @@ class LRControl(StabilityCallback):
         self._optimizer = unwrap_optimizer(optimizer)
         self._scheduler_lrs = [g["lr"] for g in self._optimizer.param_groups]
         self._apply()
-        if self.enabled and self._scheduler_lrs:
-            self.record({"lr/factor": self.product, "lr/effective": self._optimizer.param_groups[0]["lr"]})
-            self._named |= set(self._factors)
-            # a factor back at 1.0 is logged as 1.0 (not left at its last value in a multi-step log line)
-            self.record({f"lr/factor/{name}": self._factors.get(name, 1.0) for name in sorted(self._named)})
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self._scheduler_lrs is None:

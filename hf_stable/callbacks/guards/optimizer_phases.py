@@ -25,7 +25,6 @@ switches at the same step. Not supported with `optimizer_cls_and_kwargs` (FSDP) 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -34,23 +33,31 @@ from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.guards.lr_control import LRControl, unwrap_optimizer
 from hf_stable.callbacks.step_tap import StepTapUser
+from hf_stable.compat import init_optimizer_hooks
 from hf_stable.errors import ConfigError
+from hf_stable.optim.factory import optimizer_over_groups
+from hf_stable.optim.groups import BaseHyperparameters, resolve_hyperparameters
 
 
-def make_optimizer(name: str, groups: list[dict], optim_cfg=None) -> torch.optim.Optimizer:
-    """AdamW / SGD / Lion over ready param groups (each with its own lr and weight_decay)."""
-    from hf_stable.config.optim import OptimConfig
+def make_optimizer(
+    name: str, groups: list[dict], optim_cfg=None, hyperparameters: BaseHyperparameters | None = None
+) -> torch.optim.Optimizer:
+    """AdamW / SGD / Lion over ready param groups, built by the factory (`optim.factory.optimizer_over_groups`).
 
-    cfg = optim_cfg or OptimConfig()
-    if name == "adamw":
-        return torch.optim.AdamW(groups)
-    if name == "sgd":
-        return torch.optim.SGD(groups, momentum=cfg.sgd_momentum, nesterov=cfg.sgd_nesterov and cfg.sgd_momentum > 0)
-    if name == "lion":
-        from lion_pytorch import Lion
+    `hyperparameters` carries the run's Adam betas/eps and fp16 flag (from `resolve_hyperparameters(args)`);
+    without it the TrainingArguments defaults apply. Per-group lr and weight_decay come from `groups`.
+    """
+    hp = hyperparameters or _default_hyperparameters(groups)
+    return optimizer_over_groups(name, groups, optim_cfg, hp, key="phases[].name")
 
-        return Lion(groups, betas=tuple(cfg.lion_betas))
-    raise ConfigError(f"phases[].name: got {name!r}, allowed: 'adamw', 'sgd', 'lion'")
+
+def _default_hyperparameters(groups: list[dict], first: torch.optim.Optimizer | None = None) -> BaseHyperparameters:
+    """The factory's hyperparameters when the caller gave none: those of an AdamW `first`, else the defaults."""
+    lr = next((g["lr"] for g in groups if g.get("lr", 0) > 0), None) if groups else None
+    extra = {}
+    if isinstance(first, torch.optim.AdamW):
+        extra = {"betas": tuple(first.defaults["betas"]), "eps": first.defaults["eps"]}
+    return resolve_hyperparameters(lr=lr or 1e-3, weight_decay=0.0, **extra)
 
 
 def _first_moment(opt: torch.optim.Optimizer, p) -> torch.Tensor | None:
@@ -70,26 +77,32 @@ class PhasedOptimizer(torch.optim.Optimizer):
     Args:
         first: the optimizer of phase 0 (e.g. from `build_optimizer`).
         names: optimizer name of every phase ("adamw", "sgd", "lion"); `names[0]` must match `first`.
-        optim_cfg: the `optim:` section (SGD momentum, Lion betas).
+        optim_cfg: the `optim:` section (SGD momentum, Lion betas, AdamW kernel, fp16 eps guard).
+        state_policy: "carry_momentum" or "reset" (module docstring).
+        hyperparameters: Adam betas/eps and fp16 of the run (`resolve_hyperparameters(training_args)`); default:
+            those of `first` when it is AdamW, else the TrainingArguments defaults.
 
     Example:
         >>> opt = PhasedOptimizer(build_optimizer(model, cfg.optim, args), ["adamw", "sgd", "lion"], cfg.optim)
         >>> trainer = Trainer(..., optimizers=(opt, None), callbacks=[OptimizerPhaseGuard(phases, lr)])
     """
 
-    def __init__(self, first: torch.optim.Optimizer, names: list[str], optim_cfg=None, state_policy="carry_momentum"):
+    def __init__(
+        self,
+        first: torch.optim.Optimizer,
+        names: list[str],
+        optim_cfg=None,
+        state_policy="carry_momentum",
+        hyperparameters: BaseHyperparameters | None = None,
+    ):
         # Optimizer.__init__ is not called on purpose: groups and state belong to the inner optimizer.
         self.names = list(names)
         self.optim_cfg = optim_cfg
+        self.hyperparameters = hyperparameters or _default_hyperparameters(first.param_groups, first)
         self.state_policy = state_policy
         self.phase = 0
         self.current = first
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        init_optimizer_hooks(self)
         self._sync()
 
     def _sync(self) -> None:
@@ -127,7 +140,7 @@ class PhasedOptimizer(torch.optim.Optimizer):
         old = self.current
         groups = [{k: v for k, v in g.items() if k not in old.defaults or k in ("lr", "weight_decay")}
                   for g in old.param_groups]
-        new = make_optimizer(self.names[phase], groups, self.optim_cfg)
+        new = make_optimizer(self.names[phase], groups, self.optim_cfg, self.hyperparameters)
         if policy == "carry_momentum" and self.names[phase] != "adamw":
             with torch.no_grad():
                 for group in new.param_groups:
@@ -248,16 +261,19 @@ class OptimizerPhaseGuard(StepTapUser, StabilityCallback):
 _NAME_OF = {"AdamW": "adamw", "SGD": "sgd", "Lion": "lion"}
 
 
-def wrap_for_phases(optimizer: torch.optim.Optimizer, phases_cfg, optim_cfg=None) -> PhasedOptimizer:
+def wrap_for_phases(optimizer: torch.optim.Optimizer, phases_cfg, optim_cfg=None, args=None) -> PhasedOptimizer:
     """The recipe's optimizer wrapped for `stability.guards.phases` (phase 0 built anew if the factory made another).
+
+    `args` (TrainingArguments) gives every later phase the factory's Adam betas/eps and fp16 eps guard.
 
     Example:
         >>> optimizer = build_optimizer(model, cfg.optim, args)
         >>> if cfg.stability.guards.phases.enabled:
-        ...     optimizer = wrap_for_phases(optimizer, cfg.stability.guards.phases, cfg.optim)
+        ...     optimizer = wrap_for_phases(optimizer, cfg.stability.guards.phases, cfg.optim, args)
     """
     names = [p.name for p in phases_cfg.phases]
-    wrapped = PhasedOptimizer(optimizer, names, optim_cfg, phases_cfg.state_policy)
+    hp = resolve_hyperparameters(args) if args is not None else None
+    wrapped = PhasedOptimizer(optimizer, names, optim_cfg, phases_cfg.state_policy, hp)
     if _NAME_OF.get(type(optimizer).__name__) != names[0]:
         wrapped.switch(0, policy="reset")
     return wrapped

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_stable.callbacks.step_tap import StepTap, batch_gradients
+from hf_stable.compat import foreach_norm
 from hf_stable.distributed import all_reduce_tensor
 
 
@@ -60,7 +61,7 @@ def _local_probe(model, params: list[torch.Tensor], tap: StepTap, args) -> torch
             loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
     if grads is None:
         return None
-    norms = torch.stack([n.to(loss_sum.device) for n in torch._foreach_norm(grads, 2.0, dtype=torch.float32)])
+    norms = torch.stack([n.to(loss_sum.device) for n in foreach_norm(grads, 2.0)])
     return torch.stack([norms.square().sum(), loss_sum.reshape(())])
 
 

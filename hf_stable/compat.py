@@ -1,0 +1,99 @@
+"""Every private torch / transformers API hf_stable relies on, behind one door.
+
+Private names change between releases without a deprecation. Each use goes through a function here, and
+`tests/test_compat.py` exercises every one against the installed versions, so a version bump breaks this file's
+test loudly instead of a guard quietly. Where a public API exists it is used instead (attention registration is
+read through an `AttentionInterface()` instance, a public mapping).
+
+The `Trainer` methods `StableTrainer` overrides (`_clip_grad_norm`, `_get_grad_norm`) cannot be called from here;
+`TRAINER_METHODS` lists them with the signature we override, and the test checks it against `transformers.Trainer`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+# --- torch: foreach kernels (one kernel launch per device for a list of tensors) -----------------------------------
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0, dtype=torch.float32) -> list[torch.Tensor]:
+    """Per-tensor `ord`-norms of `tensors` (all on one device), accumulated in `dtype`: `torch._foreach_norm`."""
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply every tensor in place by `factor` (a number or a 0-d tensor on their device): `torch._foreach_mul_`."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def foreach_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` in one foreach call (`torch._foreach_mul(tensors, 1.0)`)."""
+    return list(torch._foreach_mul(tensors, 1.0))
+
+
+def foreach_sub(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`[x - y for x, y in zip(a, b)]` in one foreach call: `torch._foreach_sub`."""
+    return list(torch._foreach_sub(a, b))
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter (`Tensor._version`), bumped by every in-place operation on it."""
+    return tensor._version
+
+
+# --- torch: the optimizer and loss-scaler internals -----------------------------------------------------------------
+
+# The hook registries `torch.optim.Optimizer.__init__` creates; an optimizer that does not call it (the phased
+# optimizer, whose groups and state belong to an inner optimizer) creates them itself.
+OPTIMIZER_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Give `optimizer` the empty hook registries `Optimizer.__init__` would have made."""
+    for name in OPTIMIZER_HOOK_DICTS:
+        setattr(optimizer, name, OrderedDict())
+
+
+def scaler_unscale_once(scaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Unscale `optimizer`'s gradients unless `scaler` already did this step; True when it found inf/NaN.
+
+    `GradScaler.unscale_` raises when called twice in a step, and whether it ran is only in the scaler's private
+    per-optimizer state (`_per_optimizer_states`, `OptState`).
+    """
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
+    return any(v.item() > 0 for v in state["found_inf_per_device"].values())
+
+
+# --- transformers ---------------------------------------------------------------------------------------------------
+
+
+def attn_implementation(model_or_config) -> str | None:
+    """The attention implementation a model runs (`config._attn_implementation`); None when there is no config."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "_attn_implementation", None)
+
+
+# Trainer methods `StableTrainer` overrides or calls: name -> parameter names (self first), as we call them.
+TRAINER_METHODS = {
+    "_clip_grad_norm": ("self", "model"),
+    "_get_grad_norm": ("self", "model", "grad_norm"),
+    "_has_mixed_mesh_grads": ("self", "model"),
+}
+
+
+def has_mixed_mesh_grads(trainer, model) -> bool:
+    """Whether gradients live on different device meshes (`Trainer._has_mixed_mesh_grads`)."""
+    return trainer._has_mixed_mesh_grads(model)

@@ -1,0 +1,137 @@
+"""Each entry point of `hf_stable.compat` against the installed torch / transformers: a version that renames or
+changes one of the private APIs behind it fails here, by name."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+import transformers
+
+from hf_stable import compat
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(5, generator=g), torch.randn(3, 4, generator=g), torch.zeros(0)]
+
+
+def test_foreach_norm_matches_per_tensor_norms_in_the_requested_dtype():
+    for ord in (2.0, math.inf):
+        xs = _tensors() if ord == 2.0 else _tensors()[:2]  # torch refuses the inf-norm of an empty tensor
+        got = compat.foreach_norm(xs, ord)
+        want = [torch.linalg.vector_norm(x, ord) for x in xs]
+        assert isinstance(got, list) and len(got) == len(xs)
+        torch.testing.assert_close(torch.stack(got), torch.stack(want))
+    half = [x.to(torch.bfloat16) for x in _tensors()]
+    assert all(n.dtype == torch.float32 for n in compat.foreach_norm(half, 2.0))
+
+
+def test_foreach_mul_copy_and_sub():
+    xs = _tensors()
+    before = [x.clone() for x in xs]
+    copies = compat.foreach_copy(xs)
+    assert all(c.data_ptr() != x.data_ptr() for c, x in zip(copies, xs, strict=True) if x.numel())
+    compat.foreach_mul_(xs, 3.0)
+    compat.foreach_mul_(xs, torch.tensor(0.5))
+    for x, b, c in zip(xs, before, copies, strict=True):
+        torch.testing.assert_close(x, b * 1.5)
+        torch.testing.assert_close(c, b)  # the copy did not follow the in-place change
+    for d, x, b in zip(compat.foreach_sub(xs, copies), xs, before, strict=True):
+        torch.testing.assert_close(d, x - b)
+
+
+def test_tensor_version_counts_in_place_changes():
+    x = torch.zeros(3)
+    v = compat.tensor_version(x)
+    x.add_(1)
+    assert compat.tensor_version(x) == v + 1
+    x.mul_(2)
+    assert compat.tensor_version(x) == v + 2
+
+
+def test_optimizer_hook_dicts_are_the_ones_optimizer_init_makes():
+    p = torch.nn.Parameter(torch.ones(2))
+    real = torch.optim.SGD([p], lr=0.1)
+    made = {k for k, v in vars(real).items() if k.startswith("_optimizer_") and k.endswith("_hooks")}
+    assert made == set(compat.OPTIMIZER_HOOK_DICTS)
+
+    class Bare(torch.optim.Optimizer):  # skips Optimizer.__init__, as PhasedOptimizer does
+        def __init__(self):
+            compat.init_optimizer_hooks(self)
+            self.param_groups, self.state, self.defaults = real.param_groups, real.state, real.defaults
+
+    bare = Bare()
+    seen = []
+    bare.register_step_pre_hook(lambda opt, args, kwargs: seen.append("pre"))
+    bare.register_state_dict_pre_hook(lambda opt: seen.append("sd"))
+    bare.register_load_state_dict_post_hook(lambda opt: seen.append("load"))
+    bare.state_dict()
+    assert "sd" in seen and all(len(getattr(bare, k)) <= 1 for k in compat.OPTIMIZER_HOOK_DICTS)
+
+
+def _scaled_step(bad: bool):
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale((w * torch.tensor([3.0, 5.0])).sum()).backward()
+    if bad:
+        w.grad[0] = float("inf")
+    return w, opt, scaler
+
+
+def test_scaler_unscale_once_unscales_once_and_reports_overflow():
+    w, opt, scaler = _scaled_step(bad=False)
+    torch.testing.assert_close(w.grad, torch.tensor([12.0, 20.0]))
+    assert compat.scaler_unscale_once(scaler, opt) is False
+    torch.testing.assert_close(w.grad, torch.tensor([3.0, 5.0]))
+    assert compat.scaler_unscale_once(scaler, opt) is False  # no second unscale (GradScaler would raise)
+    torch.testing.assert_close(w.grad, torch.tensor([3.0, 5.0]))
+    scaler.step(opt)  # the scaler accepts the step as unscaled
+    torch.testing.assert_close(w.detach(), torch.tensor([0.7, 1.5]))
+    _, opt, scaler = _scaled_step(bad=True)
+    assert compat.scaler_unscale_once(scaler, opt) is True
+
+
+def _tiny_config():
+    return transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+
+
+def test_attn_implementation_reads_model_and_config():
+    config = _tiny_config()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert compat.attn_implementation(model) == "eager" == compat.attn_implementation(model.config)
+    model.set_attn_implementation("sdpa")
+    assert compat.attn_implementation(model) == "sdpa"
+    assert compat.attn_implementation(object()) is None
+
+
+@pytest.mark.parametrize("name", sorted(compat.TRAINER_METHODS))
+def test_private_trainer_methods_exist_with_the_signature_we_use(name):
+    method = getattr(transformers.Trainer, name)
+    params = inspect.signature(method).parameters
+    assert tuple(params) == compat.TRAINER_METHODS[name]
+    assert not any(p.default is inspect.Parameter.empty for n, p in params.items() if n == "grad_norm")
+
+
+def test_has_mixed_mesh_grads_on_a_plain_model(tmp_path):
+    model = transformers.LlamaForCausalLM(_tiny_config())
+    args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
+    trainer = transformers.Trainer(model=model, args=args)
+    ids = torch.arange(8)[None] % 32
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert compat.has_mixed_mesh_grads(trainer, model) is False
+    # and the StableTrainer overrides still match the Trainer's methods they replace
+    from hf_stable.trainer import StableTrainer
+
+    for name in ("_clip_grad_norm", "_get_grad_norm"):
+        assert tuple(inspect.signature(getattr(StableTrainer, name)).parameters) == compat.TRAINER_METHODS[name]
