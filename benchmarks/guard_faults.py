@@ -47,7 +47,8 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rescue import LENGTH, VOCAB, _quiet, markov_rows  # noqa: E402
+from rescue import _quiet  # noqa: E402
+from rescue_cases import LENGTH, VOCAB, markov_ids, rows  # noqa: E402
 
 from hf_stable.callbacks.base import StabilityCallback  # noqa: E402
 from hf_stable.compat import foreach_mul_
@@ -147,8 +148,8 @@ def run(method: str, case: str, seed: int, steps: int, lr: float) -> dict:
     if method != "plain":
         callbacks += build_callbacks(cfg)
         extra = guard_training_overrides(cfg.stability.guards, {}, warn=False)
-    train = markov_rows(steps * BATCH, seed=100 + seed)
-    evals = markov_rows(128, seed=999)
+    train = rows(markov_ids(steps * BATCH, seed=100 + seed, table_seed=1234))
+    evals = rows(markov_ids(128, seed=999, table_seed=1234))
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
         args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=BATCH, per_device_eval_batch_size=64,
                                  report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=10,
