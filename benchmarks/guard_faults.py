@@ -100,7 +100,7 @@ class ForwardOverflow:
     """The first decoder layer's MLP output x inf at the chosen Trainer forwards (one forward per step)."""
 
     def __init__(self, model, steps: set[int]):
-        from hf_stable.callbacks.step_tap import StepTap
+        from hf_stable.core.step_tap import StepTap
 
         self.steps, self.forwards, self.tap = steps, 0, StepTap.shared(model)
         model.register_forward_pre_hook(self._count)

@@ -51,10 +51,10 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_stable.callbacks.base import StabilityCallback  # noqa: E402
-from hf_stable.callbacks.grad_stats import GradStats  # noqa: E402
 from hf_stable.callbacks.monitors import build_monitors  # noqa: E402
-from hf_stable.callbacks.step_tap import StepTap  # noqa: E402
 from hf_stable.config import MonitorsConfig  # noqa: E402
+from hf_stable.core.grad_stats import GradStats  # noqa: E402
+from hf_stable.core.step_tap import StepTap  # noqa: E402
 from hf_stable.optim.roles import group_parameters  # noqa: E402
 from hf_stable.trainer import StableTrainer  # noqa: E402
 

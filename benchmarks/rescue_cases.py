@@ -239,7 +239,7 @@ class Faults:
     @staticmethod
     def _training(module) -> bool:
         """The Trainer's own forwards only: hf_stable's re-runs (locator, rollback probe) pause the StepTap."""
-        from hf_stable.callbacks.step_tap import StepTap
+        from hf_stable.core.step_tap import StepTap
 
         return module.training and torch.is_grad_enabled() and not StepTap.shared(module)._paused
 

@@ -138,9 +138,9 @@ def _build(arm: str, model, case: Case, steps: int, training: dict):
         cfg.training = training
         make = None
         if cfg.stability.guards.phases.enabled:  # as the recipe: the factory's optimizer, wrapped for the phases
-            from hf_stable.callbacks.guards import wrap_for_phases
             from hf_stable.config.optim import OptimConfig
             from hf_stable.optim import build_optimizer
+            from hf_stable.optim.phases import wrap_for_phases
 
             same = OptimConfig(llrd_decay=1.0, lora_plus_ratio=1.0)  # one group at the Trainer's LR, as the others
 

@@ -257,7 +257,7 @@ def runtime_callbacks(runtime) -> list:
     Example:
         >>> callbacks = build_callbacks(cfg, args) + runtime_callbacks(cfg.runtime)
     """
-    from hf_stable.callbacks.preemption import PreemptionCallback
+    from hf_stable.callbacks.preemption_callback import PreemptionCallback
 
     pre = runtime.preemption
     return [PreemptionCallback(signals=pre.signals, exit_code=pre.exit_code, enabled=pre.enabled), CheckpointMarker()]

@@ -114,7 +114,7 @@ class OutputDir:
         """A fresh run (not a resume) into a directory that holds an earlier run's `stability_events.jsonl`:
         rename that file to `stability_events.<time>.jsonl` so the report and model card show this run's events
         only, and nothing is lost. Returns the new path, or None when there was nothing to move."""
-        from hf_stable.callbacks.events import EVENTS_FILE
+        from hf_stable.core.events import EVENTS_FILE
 
         old = self.path / EVENTS_FILE
         if resuming or not is_main_process() or not old.is_file():

@@ -33,9 +33,9 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.compat import foreach_mul_, has_mixed_mesh_grads
+from hf_stable.core.grad_stats import GradStats
 from hf_stable.distributed import sharded_training
 
 

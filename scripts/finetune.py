@@ -17,9 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from transformers import PrinterCallback, ProgressCallback, set_seed  # noqa: E402
 
 from hf_stable.callbacks import build_callbacks  # noqa: E402
-from hf_stable.callbacks.console import CompactPrinter  # noqa: E402
-from hf_stable.callbacks.guards import guard_training_overrides, wrap_for_phases  # noqa: E402
-from hf_stable.callbacks.preemption import exit_if_preempted  # noqa: E402
+from hf_stable.callbacks.compact_printer import CompactPrinter  # noqa: E402
+from hf_stable.callbacks.guards import guard_training_overrides  # noqa: E402
+from hf_stable.callbacks.preemption_callback import exit_if_preempted  # noqa: E402
 from hf_stable.checkpoints import resolve_resume, runtime_callbacks  # noqa: E402
 from hf_stable.config import load_config, training_arguments  # noqa: E402
 from hf_stable.data import build_data  # noqa: E402
@@ -29,6 +29,7 @@ from hf_stable.evaluation import evaluate_run  # noqa: E402
 from hf_stable.logging import get_logger, is_main_process, print_main  # noqa: E402
 from hf_stable.modeling import apply_lora, count_parameters, load_model, load_tokenizer, resolve_base  # noqa: E402
 from hf_stable.optim import build_optimizer, format_group_table, group_table  # noqa: E402
+from hf_stable.optim.phases import wrap_for_phases  # noqa: E402
 from hf_stable.outputs import OutputDir, error_boundary  # noqa: E402
 from hf_stable.reporting import finalize_outputs  # noqa: E402
 from hf_stable.trainer import StableTrainer  # noqa: E402

@@ -10,8 +10,8 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_stable.attention import AttentionSettings, get_probe, head_max_logits, register
-from hf_stable.callbacks.attention_monitor import AttentionMonitorCallback, build_attention_callbacks
-from hf_stable.callbacks.events import read_events
+from hf_stable.callbacks.monitors.attention_monitor_callback import AttentionMonitorCallback, build_attention_callbacks
+from hf_stable.core.events import read_events
 from tests.helpers import make_tiny_model
 
 CAPTURED: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
@@ -174,7 +174,7 @@ def test_inactive_on_other_implementation(tokenizer, tmp_path):
 
 
 def test_build_attention_callbacks():
-    from hf_stable.callbacks.qk_clip import QKClipCallback
+    from hf_stable.callbacks.guards.qk_clip_callback import QKClipCallback
     from hf_stable.config import AttentionConfig
 
     assert build_attention_callbacks(AttentionConfig(implementation="sdpa")) == []  # nothing to monitor

@@ -8,8 +8,8 @@ import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from hf_stable.attention import AttentionSettings, get_probe, layer_mode, qk_clip, register
-from hf_stable.callbacks.attention_monitor import AttentionMonitorCallback
-from hf_stable.callbacks.qk_clip import QKClipCallback
+from hf_stable.callbacks.guards.qk_clip_callback import QKClipCallback
+from hf_stable.callbacks.monitors.attention_monitor_callback import AttentionMonitorCallback
 from hf_stable.errors import ConfigError
 from tests.helpers import make_tiny_model
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_stable.callbacks.events import read_events
 from hf_stable.callbacks.guards import build_guards, guard_training_overrides
-from hf_stable.callbacks.guards.accumulation import AccumulationControl
-from hf_stable.callbacks.guards.batch_warmup import BatchWarmupGuard
+from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
+from hf_stable.callbacks.guards.batch_warmup_guard import BatchWarmupGuard
 from hf_stable.callbacks.guards.lr_control import LRControl
-from hf_stable.callbacks.guards.thermal import ThermalGuard
+from hf_stable.callbacks.guards.thermal_guard import ThermalGuard
 from hf_stable.config.guards import GuardsConfig
+from hf_stable.core.events import read_events
 from hf_stable.errors import ConfigError
 from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
 

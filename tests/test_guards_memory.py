@@ -8,15 +8,15 @@ import pytest
 import torch
 from transformers import Trainer
 
-from hf_stable.callbacks.events import read_events
 from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard
-from hf_stable.callbacks.guards import snapshot_size as sizing
-from hf_stable.callbacks.guards.optimizer_phases import PhasedOptimizer
 from hf_stable.config import DEFAULT_CONFIG, load_config
+from hf_stable.core import snapshot_size as sizing
+from hf_stable.core.events import read_events
 from hf_stable.doctor.hazards import check_host_buffers
 from hf_stable.doctor.probes import _lora_numel, model_facts
 from hf_stable.doctor.settings import resolve_settings
 from hf_stable.errors import ConfigError
+from hf_stable.optim.phases import PhasedOptimizer
 from tests.dist_scripts.guards_common import Recorder, states_equal, tiny_lora_llama, token_data, training_args
 
 

@@ -7,13 +7,14 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_stable.callbacks.events import read_events
-from hf_stable.callbacks.guards import LRControl, OptimizerPhaseGuard, PhasedOptimizer, wrap_for_phases
+from hf_stable.callbacks.guards import LRControl, OptimizerPhaseGuard
 from hf_stable.callbacks.guards.lr_control import unwrap_optimizer
 from hf_stable.config import OptimConfig
 from hf_stable.config.guards import OptimizerPhasesConfig, PhaseConfig
+from hf_stable.core.events import read_events
 from hf_stable.errors import ConfigError
 from hf_stable.optim import build_optimizer
+from hf_stable.optim.phases import PhasedOptimizer, wrap_for_phases
 from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
 
 PHASES = OptimizerPhasesConfig(enabled=True, phases=[PhaseConfig("adamw", until_step=3),

@@ -15,9 +15,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.events import read_events
 from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard, build_guards
 from hf_stable.config.guards import GuardsConfig
+from hf_stable.core.events import read_events
 from hf_stable.trainer import StableTrainer
 from tests.dist_scripts.guards_common import (
     Recorder,
@@ -93,7 +93,7 @@ class _Garbage:
         model.register_forward_pre_hook(self._pre, with_kwargs=True)
 
     def _pre(self, module, args, kwargs):
-        from hf_stable.callbacks.step_tap import StepTap
+        from hf_stable.core.step_tap import StepTap
 
         if not module.training or not torch.is_grad_enabled() or StepTap.shared(module)._paused:
             return None

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import Trainer
 
-from hf_stable.callbacks.events import read_events
 from hf_stable.callbacks.guards import ClipGuard, LRControl, RollbackGuard, SkipGuard, build_guards
 from hf_stable.config.guards import GuardsConfig
+from hf_stable.core.events import read_events
 from tests.dist_scripts.guards_common import (
     LossFault,
     Recorder,

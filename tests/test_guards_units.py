@@ -11,20 +11,20 @@ import pytest
 import torch
 from transformers import Trainer, TrainerControl, TrainerState
 
-from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.guards import (
     ClipGuard,
-    GuardOrderError,
     LRControl,
     RollbackGuard,
     SkipGuard,
     build_guards,
     guard_training_overrides,
 )
-from hf_stable.callbacks.guards.clipping import site_of
-from hf_stable.callbacks.guards.snr_lr import SNRGuard
+from hf_stable.callbacks.guards.clip_guard import site_of
+from hf_stable.callbacks.guards.snr_guard import SNRGuard
 from hf_stable.config import config_from_dict
 from hf_stable.config.guards import GuardsConfig
+from hf_stable.core import GuardOrderError
+from hf_stable.core.grad_stats import GradStats
 from hf_stable.errors import ConfigError
 from tests.dist_scripts.guards_common import Recorder, tiny_lora_llama, token_data, training_args
 
@@ -239,7 +239,7 @@ def test_build_guards_defaults_and_training_overrides():
 
 
 def test_rollback_check_tells_damaged_weights_from_bad_data():
-    from hf_stable.callbacks.guards.rollback_check import Probe, weights_damaged
+    from hf_stable.core.rollback_check import Probe, weights_damaged
 
     skip = SkipGuard(warmup_steps=1)
     for step in range(1, 21):  # references: grad norm ~1, loss ~2

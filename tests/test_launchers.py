@@ -117,7 +117,7 @@ def test_launcher_exit_status_follows_the_workers():
 
 def test_a_duplicate_signal_does_not_abandon_the_save():
     """A process-group kill plus the launcher's forward deliver the same SIGTERM twice within milliseconds."""
-    from hf_stable.callbacks.preemption import PreemptionCallback
+    from hf_stable.callbacks.preemption_callback import PreemptionCallback
 
     cb = PreemptionCallback(signals=["SIGUSR1"])
     cb._install()

@@ -7,16 +7,16 @@ import random
 
 import pytest
 
-from hf_stable.callbacks.events import read_events
-from hf_stable.callbacks.grad_monitor import GradientMonitor
-from hf_stable.callbacks.grad_stats import GradReport
-from hf_stable.callbacks.hardware_monitor import HardwareMonitor
-from hf_stable.callbacks.loss_monitor import LossMonitor
-from hf_stable.callbacks.memory_monitor import MemoryMonitor
 from hf_stable.callbacks.monitors import EVENT_KINDS, build_monitors
-from hf_stable.callbacks.throughput_monitor import ThroughputMonitor
-from hf_stable.callbacks.update_monitor import UpdateMonitor
+from hf_stable.callbacks.monitors.gradient_monitor import GradientMonitor
+from hf_stable.callbacks.monitors.hardware_monitor import HardwareMonitor
+from hf_stable.callbacks.monitors.loss_monitor import LossMonitor
+from hf_stable.callbacks.monitors.memory_monitor import MemoryMonitor
+from hf_stable.callbacks.monitors.throughput_monitor import ThroughputMonitor
+from hf_stable.callbacks.monitors.update_monitor import UpdateMonitor
 from hf_stable.config import MonitorsConfig, load_config
+from hf_stable.core.events import read_events
+from hf_stable.core.grad_stats import GradReport
 from hf_stable.errors import ConfigError
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hf_stable.callbacks.grad_stats import GradStats
+from hf_stable.core.grad_stats import GradStats
 from hf_stable.optim.roles import group_parameters
 from tests.helpers import make_tiny_model
 

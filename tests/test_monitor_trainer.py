@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from hf_stable.callbacks.events import read_events
-from hf_stable.callbacks.grad_monitor import GradientMonitor
 from hf_stable.callbacks.monitors import build_monitors
+from hf_stable.callbacks.monitors.gradient_monitor import GradientMonitor
 from hf_stable.config import MonitorsConfig
+from hf_stable.core.events import read_events
 from tests.helpers import make_tiny_model
 
 

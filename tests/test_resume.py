@@ -87,7 +87,7 @@ def test_resolve_resume_auto_never_and_explicit(tmp_path):
 
 
 def test_preemption_callback_restores_handlers_and_state():
-    from hf_stable.callbacks.preemption import PreemptionCallback
+    from hf_stable.callbacks.preemption_callback import PreemptionCallback
 
     with pytest.raises(ValueError, match="SIGNOPE"):
         PreemptionCallback(signals=["SIGNOPE"])
@@ -174,7 +174,7 @@ def test_sigterm_saves_a_checkpoint_stops_and_resumes_to_the_same_adapter(tmp_pa
 
 
 def test_a_fresh_run_sets_an_earlier_runs_events_aside_and_a_resume_keeps_them(tmp_path):
-    from hf_stable.callbacks.events import EVENTS_FILE, read_events, write_event
+    from hf_stable.core.events import EVENTS_FILE, read_events, write_event
     from hf_stable.outputs import OutputDir
 
     write_event(str(tmp_path), step=7, kind="step_skipped", message="from the earlier run", source="test")

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_stable.callbacks.events import read_events
 from hf_stable.callbacks.monitors import build_monitors
 from hf_stable.config import MonitorsConfig
+from hf_stable.core.events import read_events
 from hf_stable.trainer import StableTrainer
 from tests.dist_scripts.guards_common import Recorder, tiny_lora_llama, token_data, training_args
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from hf_stable.callbacks.events import write_event
-from hf_stable.callbacks.grad_stats import begin_step
+from hf_stable.core.events import write_event
+from hf_stable.core.grad_stats import begin_step
 
 STATE_KEY = "hf_stable"
 

@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.config.doctor import DoctorConfig
+from hf_stable.core.grad_stats import GradStats
 from hf_stable.doctor.findings import Finding
 
 _ADAPTER_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")

@@ -227,7 +227,7 @@ def check_checkpointing(s: TrainingSettings) -> list[Finding]:
 def check_host_buffers(cfg, s: TrainingSettings, facts: ModelFacts | None) -> list[Finding]:
     """Sizes of the buffers that grow with the trainable parameters: the rollback snapshot (weights + optimizer
     state, host memory or disk) and the update monitor's device copy of the weights."""
-    from hf_stable.callbacks.guards.snapshot_size import estimate_size, human, plan_storage
+    from hf_stable.core.snapshot_size import estimate_size, human, plan_storage
 
     guards = cfg.stability.guards
     if facts is None or not facts.trainable_numel:

@@ -17,8 +17,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from hf_stable.callbacks.events import EVENTS_FILE, read_events
 from hf_stable.checkpoints import list_checkpoints
+from hf_stable.core.events import EVENTS_FILE, read_events
 from hf_stable.errors import HfStableError
 from hf_stable.reporting import stability_plots
 

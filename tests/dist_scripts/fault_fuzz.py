@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 from guards_common import VOCAB, _trainer_forward, tiny_lora_llama, token_data, training_args
 
-from hf_stable.callbacks import GradStats, StabilityCallback, build_callbacks
+from hf_stable.callbacks import StabilityCallback, build_callbacks
 from hf_stable.config import RunConfig
+from hf_stable.core import GradStats
 from hf_stable.distributed import broadcast_object, shutdown
 from hf_stable.trainer import StableTrainer
 

@@ -63,7 +63,7 @@ def training_args(out, **kw) -> TrainingArguments:
 def _trainer_forward(module) -> bool:
     """A forward of the Trainer's own step: training mode, grad on, and not one of hf_stable's re-runs (the
     non-finite locator, the rollback probe), which run with the model's StepTap paused."""
-    from hf_stable.callbacks.step_tap import StepTap
+    from hf_stable.core.step_tap import StepTap
 
     return module.training and torch.is_grad_enabled() and not StepTap.shared(module)._paused
 

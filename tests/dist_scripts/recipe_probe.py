@@ -104,7 +104,7 @@ class Probe(TrainerCallback):
             self._pause()
 
     def _pause(self) -> None:
-        from hf_stable.callbacks.preemption import find_preemption
+        from hf_stable.callbacks.preemption_callback import find_preemption
 
         preemption = find_preemption(self.trainer)
         Path(PROBE_DIR).mkdir(parents=True, exist_ok=True)

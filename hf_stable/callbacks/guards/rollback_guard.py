@@ -56,13 +56,13 @@ from collections import deque
 from pathlib import Path
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.guards.distributed import agree, drop_gradients, rank_of
 from hf_stable.callbacks.guards.lr_control import LRControl
-from hf_stable.callbacks.guards.rollback_check import probe_snapshot, weights_damaged
-from hf_stable.callbacks.guards.skip_step import SkipGuard
-from hf_stable.callbacks.guards.snapshot import SnapshotStore, optimizer_params
-from hf_stable.callbacks.guards.snapshot_size import plan_storage, snapshot_size
-from hf_stable.callbacks.monitor_utils import collective_device
+from hf_stable.callbacks.guards.skip_guard import SkipGuard
+from hf_stable.core.monitor_utils import collective_device
+from hf_stable.core.rank_agreement import agree, drop_gradients, rank_of
+from hf_stable.core.rollback_check import probe_snapshot, weights_damaged
+from hf_stable.core.snapshot import SnapshotStore, optimizer_params
+from hf_stable.core.snapshot_size import plan_storage, snapshot_size
 from hf_stable.distributed import sharded_training
 from hf_stable.errors import ConfigError
 

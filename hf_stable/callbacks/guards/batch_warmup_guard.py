@@ -9,7 +9,7 @@ function of `global_step`, so a resumed run continues at the right stage.
 from __future__ import annotations
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.guards.accumulation import AccumulationControl
+from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
 
 
 class BatchWarmupGuard(StabilityCallback):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.monitor_utils import AlertGate, collective_device, reduce_host, world_size
-from hf_stable.callbacks.step_tap import StepTap, StepTapUser
+from hf_stable.core.monitor_utils import AlertGate, collective_device, reduce_host, world_size
+from hf_stable.core.step_tap import StepTap, StepTapUser
 
 
 class ThroughputMonitor(StepTapUser, StabilityCallback):

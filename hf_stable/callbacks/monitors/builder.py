@@ -24,15 +24,15 @@ YAML (every key optional; defaults shown in docs/CONFIG.md):
 from __future__ import annotations
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.grad_monitor import GradientMonitor
-from hf_stable.callbacks.grad_stats import DeviceGradStats, GradReport, GradStats
-from hf_stable.callbacks.hardware_monitor import HardwareMonitor
-from hf_stable.callbacks.loss_monitor import LossMonitor
-from hf_stable.callbacks.memory_monitor import MemoryMonitor
-from hf_stable.callbacks.nonfinite_locator import NonFiniteLocator
-from hf_stable.callbacks.step_tap import StepTap
-from hf_stable.callbacks.throughput_monitor import ThroughputMonitor
-from hf_stable.callbacks.update_monitor import UpdateMonitor
+from hf_stable.callbacks.monitors.gradient_monitor import GradientMonitor
+from hf_stable.callbacks.monitors.hardware_monitor import HardwareMonitor
+from hf_stable.callbacks.monitors.loss_monitor import LossMonitor
+from hf_stable.callbacks.monitors.memory_monitor import MemoryMonitor
+from hf_stable.callbacks.monitors.non_finite_locator import NonFiniteLocator
+from hf_stable.callbacks.monitors.throughput_monitor import ThroughputMonitor
+from hf_stable.callbacks.monitors.update_monitor import UpdateMonitor
+from hf_stable.core.grad_stats import DeviceGradStats, GradReport, GradStats
+from hf_stable.core.step_tap import StepTap
 
 # Every event kind the monitors write (the report groups events by kind).
 EVENT_KINDS = {

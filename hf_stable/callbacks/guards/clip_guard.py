@@ -29,8 +29,8 @@ import math
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.grad_stats import GradReport, GradStats
 from hf_stable.compat import foreach_mul_
+from hf_stable.core.grad_stats import GradReport, GradStats
 from hf_stable.distributed import sharded_training
 
 MODES = ("global", "per_group", "adaptive")

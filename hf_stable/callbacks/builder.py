@@ -16,7 +16,7 @@ def build_callbacks(cfg, args=None) -> list:
         from hf_stable.callbacks.guards import build_guards
 
         callbacks += build_guards(stability.guards, training=cfg.training)
-    from hf_stable.callbacks.attention_monitor import build_attention_callbacks
+    from hf_stable.callbacks.monitors.attention_monitor_callback import build_attention_callbacks
 
     callbacks += build_attention_callbacks(cfg.attention)
     return callbacks

@@ -43,10 +43,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.grad_stats import GradStats
-from hf_stable.callbacks.guards.distributed import GuardOrderError, agree, drop_gradients
-from hf_stable.callbacks.monitor_utils import collective_device, robust_zscore
-from hf_stable.callbacks.step_tap import StepTapUser
+from hf_stable.core.grad_stats import GradStats
+from hf_stable.core.monitor_utils import collective_device, robust_zscore
+from hf_stable.core.rank_agreement import GuardOrderError, agree, drop_gradients
+from hf_stable.core.step_tap import StepTapUser
 from hf_stable.distributed import sharded_training
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch")

@@ -163,7 +163,7 @@ class AttentionMonitorCallback(StabilityCallback):
 
 def build_attention_callbacks(cfg) -> list:
     """The attention callbacks an `AttentionConfig` asks for (none unless implementation is 'hf_stable')."""
-    from hf_stable.callbacks.qk_clip import QKClipCallback
+    from hf_stable.callbacks.guards.qk_clip_callback import QKClipCallback
 
     if cfg.implementation != IMPLEMENTATION:
         return []

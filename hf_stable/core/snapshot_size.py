@@ -94,7 +94,7 @@ class SnapshotSize:
 def snapshot_size(optimizer) -> SnapshotSize:
     """The sizes for `optimizer` (accelerate's wrapper or a bare torch optimizer)."""
     from hf_stable.callbacks.guards.lr_control import unwrap_optimizer
-    from hf_stable.callbacks.guards.snapshot import optimizer_params
+    from hf_stable.core.snapshot import optimizer_params
 
     opt = unwrap_optimizer(optimizer)
     params = optimizer_params(opt)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.grad_stats import GradReport, GradStats
-from hf_stable.callbacks.monitor_utils import AlertGate, logs_at, sharded_training
+from hf_stable.core.grad_stats import GradReport, GradStats
+from hf_stable.core.monitor_utils import AlertGate, logs_at, sharded_training
 
 
 class GradientMonitor(StabilityCallback):

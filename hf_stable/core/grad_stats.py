@@ -40,8 +40,8 @@ from collections.abc import Callable
 
 import torch
 
-from hf_stable.callbacks.grad_report import DeviceGradStats, GradReport
 from hf_stable.compat import foreach_norm, tensor_version
+from hf_stable.core.grad_report import DeviceGradStats, GradReport
 from hf_stable.distributed import all_gather_tensor, rank
 from hf_stable.optim.roles import group_parameters
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from hf_stable.attention.probe import LogitProbe, get_probe
 from hf_stable.attention.qk_clip import attention_layers, frozen_norm_bound, layer_mode, qk_clip
-from hf_stable.callbacks.attention_monitor import IMPLEMENTATION, sample_step
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.monitors.attention_monitor_callback import IMPLEMENTATION, sample_step
 from hf_stable.compat import attn_implementation
 from hf_stable.errors import ConfigError
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_stable.callbacks.step_tap import StepTap, batch_gradients
 from hf_stable.compat import foreach_norm
+from hf_stable.core.step_tap import StepTap, batch_gradients
 from hf_stable.distributed import all_reduce_tensor
 
 

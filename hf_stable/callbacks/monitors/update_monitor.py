@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.grad_stats import GradStats
-from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training
 from hf_stable.compat import foreach_copy, foreach_norm, foreach_sub
+from hf_stable.core.grad_stats import GradStats
+from hf_stable.core.monitor_utils import AlertGate, sharded_training
 from hf_stable.optim.roles import group_parameters
 
 

@@ -19,8 +19,8 @@ import math
 from collections import deque
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.guards.lr_control import LRControl
+from hf_stable.core.grad_stats import GradStats
 
 
 class SNRGuard(StabilityCallback):

@@ -30,10 +30,10 @@ from collections.abc import Callable
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.guards.lr_control import LRControl, unwrap_optimizer
-from hf_stable.callbacks.step_tap import StepTapUser
 from hf_stable.compat import init_optimizer_hooks
+from hf_stable.core.grad_stats import GradStats
+from hf_stable.core.step_tap import StepTapUser
 from hf_stable.errors import ConfigError
 from hf_stable.optim.factory import optimizer_over_groups
 from hf_stable.optim.groups import BaseHyperparameters, resolve_hyperparameters

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.monitor_utils import AlertGate, collective_device, reduce_host
+from hf_stable.core.monitor_utils import AlertGate, collective_device, reduce_host
 from hf_stable.distributed import all_reduce_flag
 from hf_stable.import_utils import is_nvml_available
 from hf_stable.logging import get_logger

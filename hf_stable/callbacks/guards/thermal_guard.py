@@ -16,9 +16,9 @@ from collections.abc import Callable
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.guards.accumulation import AccumulationControl
-from hf_stable.callbacks.guards.distributed import agree
-from hf_stable.callbacks.monitor_utils import collective_device
+from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
+from hf_stable.core.monitor_utils import collective_device
+from hf_stable.core.rank_agreement import agree
 from hf_stable.import_utils import is_nvml_available
 
 

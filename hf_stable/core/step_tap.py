@@ -81,7 +81,7 @@ class StepTap:
             model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
             model.register_forward_hook(self._post_hook, with_kwargs=True),
         ]
-        from hf_stable.callbacks.grad_stats import GradStats
+        from hf_stable.core.grad_stats import GradStats
 
         self._stats = GradStats.shared(model)
         self._stats.add_source("step_tap", self.device_scalars)

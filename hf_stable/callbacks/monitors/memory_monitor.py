@@ -17,7 +17,7 @@ from collections import deque
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.monitor_utils import AlertGate, collective_device, reduce_host
+from hf_stable.core.monitor_utils import AlertGate, collective_device, reduce_host
 
 GIB = float(1 << 30)
 _KEYS = ("allocated", "reserved", "peak", "retries", "ooms", "rss")

@@ -17,9 +17,9 @@ import math
 from collections import deque
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.grad_stats import GradStats
-from hf_stable.callbacks.monitor_utils import AlertGate, robust_zscore
-from hf_stable.callbacks.step_tap import StepTapUser
+from hf_stable.core.grad_stats import GradStats
+from hf_stable.core.monitor_utils import AlertGate, robust_zscore
+from hf_stable.core.step_tap import StepTapUser
 
 
 class LossMonitor(StepTapUser, StabilityCallback):

@@ -30,10 +30,10 @@ import warnings
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.callbacks.grad_stats import GradStats
-from hf_stable.callbacks.monitor_utils import AlertGate, sharded_training
-from hf_stable.callbacks.step_tap import StepTap, StepTapUser, batch_gradients
 from hf_stable.compat import foreach_norm
+from hf_stable.core.grad_stats import GradStats
+from hf_stable.core.monitor_utils import AlertGate, sharded_training
+from hf_stable.core.step_tap import StepTap, StepTapUser, batch_gradients
 from hf_stable.distributed import all_reduce_tensor
 from hf_stable.logging import get_logger
 from hf_stable.optim.roles import classify

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hf_stable.callbacks.monitor_utils import reduce_host, world_size
+from hf_stable.core.monitor_utils import reduce_host, world_size
 from hf_stable.errors import HfStableError
 
 
