@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hf_stable.callbacks.guards.lr_control import unwrap_optimizer
+from hf_stable.optim.phases import unwrap_optimizer
 
 
 def optimizer_params(optimizer) -> list[torch.Tensor]:

@@ -21,6 +21,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from hf_stable.core.snapshot import optimizer_params
+from hf_stable.optim.phases import unwrap_optimizer
+
 GIB = 1024**3
 
 
@@ -93,9 +96,6 @@ class SnapshotSize:
 
 def snapshot_size(optimizer) -> SnapshotSize:
     """The sizes for `optimizer` (accelerate's wrapper or a bare torch optimizer)."""
-    from hf_stable.callbacks.guards.lr_control import unwrap_optimizer
-    from hf_stable.core.snapshot import optimizer_params
-
     opt = unwrap_optimizer(optimizer)
     params = optimizer_params(opt)
     param_bytes = sum(p.numel() * p.element_size() for p in params)

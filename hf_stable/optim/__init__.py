@@ -1,5 +1,6 @@
 from hf_stable.optim.factory import OptimizerFactory, build_optimizer, guarded_eps, trainer_optimizer_factory
 from hf_stable.optim.groups import param_groups, resolve_hyperparameters
+from hf_stable.optim.phases import PhasedOptimizer, make_optimizer, unwrap_optimizer, wrap_for_phases
 from hf_stable.optim.roles import ROLES, Role, classify, group_parameters, named_parameters_once, num_decoder_layers
 from hf_stable.optim.scaling import rescale_lr
 from hf_stable.optim.table import format_group_table, group_table, save_group_table
@@ -21,4 +22,8 @@ __all__ = [
     "format_group_table",
     "group_table",
     "save_group_table",
+    "PhasedOptimizer",
+    "make_optimizer",
+    "unwrap_optimizer",
+    "wrap_for_phases",
 ]

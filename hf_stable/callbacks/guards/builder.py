@@ -15,11 +15,11 @@ from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
 from hf_stable.callbacks.guards.batch_warmup_guard import BatchWarmupGuard
 from hf_stable.callbacks.guards.clip_guard import ClipGuard
 from hf_stable.callbacks.guards.lr_control import LRControl
+from hf_stable.callbacks.guards.optimizer_phase_guard import OptimizerPhaseGuard
 from hf_stable.callbacks.guards.rollback_guard import RollbackGuard
 from hf_stable.callbacks.guards.skip_guard import SkipGuard
 from hf_stable.callbacks.guards.snr_guard import SNRGuard
 from hf_stable.callbacks.guards.thermal_guard import ThermalGuard
-from hf_stable.optim.phases import OptimizerPhaseGuard
 
 # Every event kind the guards write (the report groups events by kind).
 GUARD_EVENT_KINDS = {

@@ -23,12 +23,7 @@ from __future__ import annotations
 import math
 
 from hf_stable.callbacks.base import StabilityCallback
-
-
-def unwrap_optimizer(optimizer):
-    """The optimizer under accelerate's `AcceleratedOptimizer` (param groups are shared either way)."""
-    inner = getattr(optimizer, "optimizer", None)
-    return inner if inner is not None and hasattr(inner, "param_groups") else optimizer
+from hf_stable.optim.phases import unwrap_optimizer
 
 
 class LRControl(StabilityCallback):
