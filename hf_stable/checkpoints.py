@@ -6,7 +6,7 @@ barrier at the end. A job killed in that window leaves a `checkpoint-N` folder t
 newest checkpoint — `transformers.trainer_utils.get_last_checkpoint` picks it — and resuming from it
 fails or, worse, silently loads a half-written optimizer state.
 
-So a checkpoint counts as complete only when `CheckpointMarker` has written `hf_stable_complete.json`
+So a checkpoint counts as complete only when `CheckpointMarker` (`callbacks/checkpoint_marker.py`) has written `hf_stable_complete.json`
 into it. The marker is written by the main process *after* every rank has returned from the save (an
 all-reduce barrier in `on_save`), atomically (temp file + rename), and it lists every file with its
 size, so a checkpoint later truncated or partly deleted is rejected too.
@@ -26,9 +26,7 @@ import re
 import time
 from pathlib import Path
 
-from transformers import TrainerCallback
-
-from hf_stable.distributed import barrier, broadcast_object, is_distributed, world_size
+from hf_stable.distributed import broadcast_object
 from hf_stable.errors import ConfigError
 from hf_stable.logging import get_logger, is_main_process
 
@@ -221,43 +219,3 @@ def resolve_resume(resume: str, args) -> str | None:
             "resuming from %s (runtime.resume: %s; --runtime.resume never starts fresh)", chosen, explicit or resume
         )
     return chosen
-
-
-class CheckpointMarker(TrainerCallback):
-    """Marks each checkpoint complete once every rank has finished writing it.
-
-    Add it after every other callback that writes into checkpoints in `on_save`, so the marker comes last.
-    With DDP/DeepSpeed every rank must run it (the barrier is a collective), which the Trainer guarantees:
-    `on_save` is called on all ranks at the same steps.
-
-    Example:
-        >>> trainer = Trainer(..., callbacks=[*monitors, CheckpointMarker()])
-        >>> latest_complete_checkpoint(args.output_dir)
-    """
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        barrier()  # rank 1 may still be writing its RNG state or ZeRO shard
-        failed = None
-        try:  # args.should_save: the process that writes shared files (one per node with save_on_each_node)
-            if args.should_save and folder.is_dir():
-                mark_complete(folder, state.global_step, world_size() if is_distributed() else 1)
-        except Exception as e:  # noqa: BLE001 - raised below, once the other ranks are released from the barrier
-            failed = e
-        barrier()  # nobody reads or rotates checkpoints before the marker exists
-        if failed is not None:
-            raise failed
-
-
-def runtime_callbacks(runtime) -> list:
-    """The callbacks `runtime` (a `RuntimeConfig`) asks for: preemption handling, then the checkpoint marker.
-
-    Append them after every other callback: the marker must run last in `on_save`.
-
-    Example:
-        >>> callbacks = build_callbacks(cfg, args) + runtime_callbacks(cfg.runtime)
-    """
-    from hf_stable.callbacks.preemption_callback import PreemptionCallback
-
-    pre = runtime.preemption
-    return [PreemptionCallback(signals=pre.signals, exit_code=pre.exit_code, enabled=pre.enabled), CheckpointMarker()]

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from hf_stable.checkpoints import is_complete, list_checkpoints
+from hf_stable.core.events import EVENTS_FILE
 from hf_stable.errors import HfStableError
 from hf_stable.logging import is_main_process
 
@@ -114,8 +116,6 @@ class OutputDir:
         """A fresh run (not a resume) into a directory that holds an earlier run's `stability_events.jsonl`:
         rename that file to `stability_events.<time>.jsonl` so the report and model card show this run's events
         only, and nothing is lost. Returns the new path, or None when there was nothing to move."""
-        from hf_stable.core.events import EVENTS_FILE
-
         old = self.path / EVENTS_FILE
         if resuming or not is_main_process() or not old.is_file():
             return None
@@ -181,8 +181,6 @@ class OutputDir:
 
     def resume_hint(self) -> str:
         """Which checkpoint the same command would resume from (for a message after a failure)."""
-        from hf_stable.checkpoints import is_complete, list_checkpoints
-
         try:  # quietly: the failure is the first thing to report, not the incomplete checkpoint it left
             found = next((c for c in reversed(list_checkpoints(self.path)) if is_complete(c)), None)
         except OSError:

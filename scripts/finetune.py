@@ -14,13 +14,12 @@ import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from transformers import PrinterCallback, ProgressCallback, set_seed  # noqa: E402
+from transformers import set_seed  # noqa: E402
 
 from hf_stable.callbacks import build_callbacks  # noqa: E402
-from hf_stable.callbacks.compact_printer import CompactPrinter  # noqa: E402
 from hf_stable.callbacks.guards import guard_training_overrides  # noqa: E402
 from hf_stable.callbacks.preemption_callback import exit_if_preempted  # noqa: E402
-from hf_stable.checkpoints import resolve_resume, runtime_callbacks  # noqa: E402
+from hf_stable.checkpoints import resolve_resume  # noqa: E402
 from hf_stable.config import load_config, training_arguments  # noqa: E402
 from hf_stable.data import build_data  # noqa: E402
 from hf_stable.distributed import prepare_launch, shutdown  # noqa: E402
@@ -88,8 +87,9 @@ def main(argv: list[str]) -> None:
         output.write_json("optimizer_groups.json", table)
         print_main(format_group_table(table))
 
-        # 4. stability callbacks and the Trainer (its grad norm comes from the monitors' one pass over the gradients)
-        callbacks = build_callbacks(cfg, args) + runtime_callbacks(cfg.runtime)
+        # 4. stability callbacks (monitors, guards, preemption, checkpoint marker, one-line printer with disable_tqdm)
+        # and the Trainer (its grad norm comes from the monitors' one pass over the gradients)
+        callbacks = build_callbacks(cfg, args)
         trainer = StableTrainer(
             model=model,
             args=args,
@@ -100,10 +100,6 @@ def main(argv: list[str]) -> None:
             optimizers=(optimizer, None),
             callbacks=callbacks,
         )
-        if args.disable_tqdm:  # one short console line per log step; every metric still goes to the logs
-            trainer.remove_callback(PrinterCallback)
-            trainer.remove_callback(ProgressCallback)
-            trainer.add_callback(CompactPrinter())
 
         # 5. evaluate, train, evaluate
         before = (

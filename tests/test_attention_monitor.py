@@ -10,7 +10,8 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_stable.attention import AttentionSettings, get_probe, head_max_logits, register
-from hf_stable.callbacks.monitors.attention_monitor_callback import AttentionMonitorCallback, build_attention_callbacks
+from hf_stable.callbacks.builder import build_attention_callbacks
+from hf_stable.callbacks.monitors.attention_monitor_callback import AttentionMonitorCallback
 from hf_stable.core.events import read_events
 from tests.helpers import make_tiny_model
 

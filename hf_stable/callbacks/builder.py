@@ -1,22 +1,52 @@
-"""`build_callbacks(cfg, args)`: the monitors and guards a recipe config asks for, in hook order."""
+"""`build_callbacks(cfg, args)`: every callback the recipe adds to the Trainer, in hook order."""
 
 from __future__ import annotations
 
+from hf_stable.callbacks.checkpoint_marker import CheckpointMarker
+from hf_stable.callbacks.compact_printer import CompactPrinter
+from hf_stable.callbacks.guards import build_guards
+from hf_stable.callbacks.guards.qk_clip_callback import QKClipCallback
+from hf_stable.callbacks.monitors import build_monitors
+from hf_stable.callbacks.monitors.attention_monitor_callback import IMPLEMENTATION, AttentionMonitorCallback
+from hf_stable.callbacks.preemption_callback import PreemptionCallback
+
+
+def build_attention_callbacks(cfg) -> list:
+    """The attention callbacks an `AttentionConfig` asks for (none unless implementation is 'hf_stable')."""
+    if cfg.implementation != IMPLEMENTATION:
+        return []
+    callbacks: list = []
+    if cfg.monitor_interval > 0:
+        callbacks.append(AttentionMonitorCallback.from_config(cfg))
+    if cfg.qk_clip:
+        callbacks.append(QKClipCallback.from_config(cfg))
+    return callbacks
+
+
+def runtime_callbacks(runtime) -> list:
+    """Preemption handling (`runtime.preemption`), then the checkpoint marker (it must run last in `on_save`)."""
+    pre = runtime.preemption
+    return [PreemptionCallback(signals=pre.signals, exit_code=pre.exit_code, enabled=pre.enabled), CheckpointMarker()]
+
 
 def build_callbacks(cfg, args=None) -> list:
-    """Every hf_stable callback enabled by `cfg` (a RunConfig). Users with their own Trainer can call
-    this with a RunConfig, or instantiate the callbacks directly."""
-    callbacks: list = []
+    """Every callback the recipe adds, for `Trainer(callbacks=...)`: the monitors, the guards, the attention
+    callbacks, preemption handling, the checkpoint marker and, when `args.disable_tqdm`, the one-line
+    `CompactPrinter` (`order_for_reporting`, which `StableTrainer` calls, then drops the Trainer's own printer).
+
+    Args:
+        cfg: a `RunConfig`.
+        args: the run's `TrainingArguments` (optional; only `disable_tqdm` is read).
+
+    Example:
+        >>> trainer = StableTrainer(model=model, args=args, callbacks=[my_callback, *build_callbacks(cfg, args)])
+    """
     stability = cfg.stability
-    if stability.monitors.enabled:
-        from hf_stable.callbacks.monitors import build_monitors
-
-        callbacks += build_monitors(stability.monitors)
-    if stability.guards.enabled:
-        from hf_stable.callbacks.guards import build_guards
-
-        callbacks += build_guards(stability.guards, training=cfg.training)
-    from hf_stable.callbacks.monitors.attention_monitor_callback import build_attention_callbacks
-
+    callbacks: list = []
+    callbacks += build_monitors(stability.monitors)  # empty when monitors.enabled is false
+    callbacks += build_guards(stability.guards, training=cfg.training)  # likewise
     callbacks += build_attention_callbacks(cfg.attention)
+    callbacks += runtime_callbacks(cfg.runtime)
+    if args is not None and getattr(args, "disable_tqdm", False):
+        callbacks.append(CompactPrinter())
     return callbacks

@@ -8,6 +8,9 @@ gradient hook listed first must still run before the skip guard), this moves the
 
     DefaultFlowCallback, the user's callbacks in the user's order (hf_stable's among them), reporters, printers
 
+When a `CompactPrinter` (from `build_callbacks(cfg, args)` with `disable_tqdm`) is present it replaces the
+Trainer's own `PrinterCallback` / `ProgressCallback`, which are then dropped.
+
 An explicit call, not something the callbacks discover: `StableTrainer` makes it in `__init__`; with the stock
 `Trainer` or TRL's `SFTTrainer` call it once after building the trainer (again after adding callbacks whose
 metrics the reporters should see).
@@ -22,6 +25,8 @@ from __future__ import annotations
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from hf_stable.callbacks.compact_printer import CompactPrinter
+
 
 def _reporter_classes() -> tuple[type, ...]:
     """transformers' reporting integrations: the classes `report_to` names map to (their subclasses included)."""
@@ -31,7 +36,7 @@ def _reporter_classes() -> tuple[type, ...]:
 
 
 def _printer_classes() -> tuple[type, ...]:
-    classes: tuple[type, ...] = (PrinterCallback, ProgressCallback)
+    classes: tuple[type, ...] = (PrinterCallback, ProgressCallback, CompactPrinter)
     try:  # needs IPython
         from transformers.utils.notebook import NotebookProgressCallback
     except ImportError:
@@ -41,8 +46,10 @@ def _printer_classes() -> tuple[type, ...]:
 
 def reporting_order(callbacks: list[TrainerCallback]) -> list[TrainerCallback]:
     """`callbacks` with the reporting integrations moved after every other callback but the printers; the rest
-    keep their relative order."""
+    keep their relative order. A `CompactPrinter` replaces the Trainer's own printers."""
     reporters, printers = _reporter_classes(), _printer_classes()
+    if any(isinstance(cb, CompactPrinter) for cb in callbacks):  # it replaces the Trainer's printer / progress bar
+        callbacks = [cb for cb in callbacks if isinstance(cb, CompactPrinter) or not isinstance(cb, printers)]
     is_reporter = [isinstance(cb, reporters) for cb in callbacks]
     is_printer = [not r and isinstance(cb, printers) for cb, r in zip(callbacks, is_reporter)]
     rest = [cb for cb, r, p in zip(callbacks, is_reporter, is_printer) if not (r or p)]
@@ -61,5 +68,5 @@ def order_for_reporting(trainer) -> None:
     """
     handler = getattr(trainer, "callback_handler", trainer)
     ordered = reporting_order(list(handler.callbacks))
-    if any(a is not b for a, b in zip(ordered, handler.callbacks)):
+    if len(ordered) != len(handler.callbacks) or any(a is not b for a, b in zip(ordered, handler.callbacks)):
         handler.callbacks = ordered  # a new list: a loop already iterating the old one is not disturbed

@@ -26,6 +26,7 @@ import time
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.distributed import all_reduce_flag, shutdown
 from hf_stable.logging import get_logger, print_main
+from hf_stable.outputs import INCOMPLETE_FILE
 
 logger = get_logger(__name__)
 
@@ -45,7 +46,7 @@ class PreemptionCallback(StabilityCallback):
 
     Example:
         >>> cb = PreemptionCallback(signals=["SIGTERM"])
-        >>> trainer = Trainer(..., callbacks=[cb, CheckpointMarker()])
+        >>> trainer = Trainer(..., callbacks=[cb, CheckpointMarker()])  # or build_callbacks(cfg, args)
         >>> trainer.train(resume_from_checkpoint=resolve_resume("auto", args))
         >>> exit_if_preempted(trainer, output)        # SystemExit(143) when a signal stopped training
     """
@@ -165,8 +166,6 @@ def exit_if_preempted(trainer, output=None) -> None:
     step = callback.stopped_at
     checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
     if output is not None:
-        from hf_stable.outputs import INCOMPLETE_FILE
-
         output.write_json(
             INCOMPLETE_FILE,
             {"status": "preempted", "started": output.started, "step": step, "checkpoint": checkpoint},

@@ -159,17 +159,3 @@ class AttentionMonitorCallback(StabilityCallback):
                     history.clear()
                 else:
                     del history[0]
-
-
-def build_attention_callbacks(cfg) -> list:
-    """The attention callbacks an `AttentionConfig` asks for (none unless implementation is 'hf_stable')."""
-    from hf_stable.callbacks.guards.qk_clip_callback import QKClipCallback
-
-    if cfg.implementation != IMPLEMENTATION:
-        return []
-    callbacks: list = []
-    if cfg.monitor_interval > 0:
-        callbacks.append(AttentionMonitorCallback.from_config(cfg))
-    if cfg.qk_clip:
-        callbacks.append(QKClipCallback.from_config(cfg))
-    return callbacks
