@@ -137,7 +137,7 @@ def test_trainer_logs_max_logit(tokenizer, tmp_path):
         learning_rate=1e-3,
         disable_tqdm=True,
     )
-    monitor = AttentionMonitorCallback(interval=2, alert_threshold=-1e9)
+    monitor = AttentionMonitorCallback(monitor_interval=2, logit_alert_threshold=-1e9)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[monitor])
     trainer.train()
     logs = {e["step"]: e for e in trainer.state.log_history if "loss" in e}
@@ -153,7 +153,9 @@ def test_trainer_logs_max_logit(tokenizer, tmp_path):
 
 
 def test_growth_alert_and_state_roundtrip():
-    cb = AttentionMonitorCallback(interval=1, alert_threshold=1e9, growth_checks=4, growth_ratio=1.5)
+    cb = AttentionMonitorCallback(
+        monitor_interval=1, logit_alert_threshold=1e9, logit_growth_checks=4, logit_growth_ratio=1.5
+    )
     for step, value in enumerate([2.0, 2.1, 1.9, 2.0, 2.2, 2.5, 3.1], start=1):
         cb._observe(step, {0: value})
     growth = [e for e in cb.events if e["kind"] == "attn_logit_growth"]
@@ -165,7 +167,7 @@ def test_growth_alert_and_state_roundtrip():
 
 def test_inactive_on_other_implementation(tokenizer, tmp_path):
     model = make_tiny_model("llama", tokenizer, attn_implementation="sdpa")
-    cb = AttentionMonitorCallback(interval=1)
+    cb = AttentionMonitorCallback(monitor_interval=1)
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     state, control = TrainerState(), TrainerControl()
     cb.on_train_begin(args, state, control, model=model)

@@ -123,19 +123,19 @@ def test_lora_base_dominated_is_reported_and_error_mode_refuses(tokenizer, tmp_p
     inflate(attn0(model), 40.0)  # the frozen base alone exceeds tau; the zero-init delta cannot help
     inputs = batch()
     tau = max(measure(model, inputs)[0]) / 2
-    events = run_hooks(QKClipCallback(tau=tau), model, inputs, steps=2, tmp_path=tmp_path)
+    events = run_hooks(QKClipCallback(qk_clip_tau=tau), model, inputs, steps=2, tmp_path=tmp_path)
     kinds = [e["kind"] for e in events]
     assert kinds.count("qk_clip") == 2 and kinds.count("qk_clip_ineffective") == 1
     assert max(measure(model, inputs)[0]) > tau  # documented limitation, not hidden
     with pytest.raises(ConfigError, match="qk_clip_on_lora"):
-        run_hooks(QKClipCallback(tau=tau, on_lora="error"), model, inputs, steps=1, tmp_path=tmp_path)
+        run_hooks(QKClipCallback(qk_clip_tau=tau, qk_clip_on_lora="error"), model, inputs, steps=1, tmp_path=tmp_path)
 
 
 def test_qwen3_lora_frozen_norms_refused_with_bound(tokenizer, tmp_path):
     model = lora_model("qwen3", tokenizer)
     mode, reason = layer_mode(attn0(model))
     assert mode == "refused" and "q_norm/k_norm are frozen" in reason
-    events = run_hooks(QKClipCallback(tau=100.0), model, batch(), steps=1, tmp_path=tmp_path)
+    events = run_hooks(QKClipCallback(qk_clip_tau=100.0), model, batch(), steps=1, tmp_path=tmp_path)
     refused = [e for e in events if e["kind"] == "qk_clip_refused"]
     assert len(refused) == 1 and "bound |logit|" in refused[0]["message"] and refused[0]["severity"] == "info"
 
@@ -160,7 +160,10 @@ def test_trainer_qk_clip_after_optimizer_step(tokenizer, tmp_path):
         learning_rate=0.0,
         disable_tqdm=True,
     )
-    callbacks = [AttentionMonitorCallback(interval=1, alert_threshold=1e9), QKClipCallback(tau=tau, interval=1)]
+    callbacks = [
+        AttentionMonitorCallback(monitor_interval=1, logit_alert_threshold=1e9),
+        QKClipCallback(qk_clip_tau=tau, qk_clip_interval=1),
+    ]
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
     logs = {e["step"]: e for e in trainer.state.log_history if "loss" in e}

@@ -44,7 +44,7 @@ def _run(out, resume=None, max_steps=8):
     lr = LRControl()
     rec = PhaseRecorder()
     trainer = Trainer(model=model, args=args, train_dataset=token_data(64), optimizers=(opt, None),
-                      callbacks=[OptimizerPhaseGuard.from_config(PHASES, lr), lr, rec])
+                      callbacks=[OptimizerPhaseGuard(lr, PHASES), lr, rec])
     trainer.train(resume_from_checkpoint=resume)
     return trainer, rec, model
 
@@ -96,7 +96,7 @@ def test_carry_momentum_seeds_sgd_and_lion_from_adamw():
 
 def test_dloss_trigger_and_wrong_optimizer_is_an_error(tmp_path):
     phases = [PhaseConfig("adamw", until_dloss_below=0.05), PhaseConfig("lion")]
-    guard = OptimizerPhaseGuard(phases, LRControl(), dloss_ema_beta=0.9)
+    guard = OptimizerPhaseGuard(LRControl(), phases=phases, dloss_ema_beta=0.9)
     for i in range(30):
         guard.observe_loss(3.0 - 0.5 * (i % 2))  # |dloss| 0.5: not flat
     assert not guard.due(0, 30)
@@ -106,7 +106,7 @@ def test_dloss_trigger_and_wrong_optimizer_is_an_error(tmp_path):
     model = tiny_lora_llama()
     args = training_args(tmp_path, max_steps=1)
     trainer = Trainer(model=model, args=args, train_dataset=token_data(8),
-                      callbacks=[OptimizerPhaseGuard(PHASES.phases, LRControl())])
+                      callbacks=[OptimizerPhaseGuard(LRControl(), phases=PHASES.phases)])
     with pytest.raises(ConfigError, match="PhasedOptimizer"):
         trainer.train()
 

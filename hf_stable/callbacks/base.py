@@ -15,15 +15,20 @@ What it adds to `transformers.TrainerCallback`:
   use transformers' `ExportableState` replacement, which rebuilds a *new* callback from constructor
   args: it would drop configuration objects and the links between monitors and guards.
 
-Subclasses keep configuration in public attributes and runtime state in `_private` ones.
+Subclasses keep configuration in public attributes and runtime state in `_private` ones. A callback with a
+config section takes it as its first argument after the callbacks it depends on (`SkipGuard(SkipConfig(...))`,
+or keywords: `SkipGuard(window=20)`); `_use_config` keeps it as `self.config` and its fields as attributes, so
+each default is declared once, in the config dataclass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from transformers import TrainerCallback
 
+from hf_stable.config.fields import config_from
 from hf_stable.core.events import write_event
 from hf_stable.core.grad_stats import begin_step
 
@@ -43,6 +48,14 @@ class StabilityCallback(TrainerCallback):
         self._output_dir: str | None = None
         self._is_main = True
         self._events: list[dict] = []
+
+    def _use_config(self, cls, config, overrides: dict) -> Any:
+        """Resolve the config (see `config_from`), keep it as `self.config` and each field as an attribute."""
+        cfg = config_from(cls, config, overrides)
+        self.config = cfg
+        for f in dataclasses.fields(cfg):
+            setattr(self, f.name, getattr(cfg, f.name))
+        return cfg
 
     # --- identity and state -------------------------------------------------------------
     @property

@@ -17,16 +17,15 @@ def build_attention_callbacks(cfg) -> list:
         return []
     callbacks: list = []
     if cfg.monitor_interval > 0:
-        callbacks.append(AttentionMonitorCallback.from_config(cfg))
+        callbacks.append(AttentionMonitorCallback(cfg))
     if cfg.qk_clip:
-        callbacks.append(QKClipCallback.from_config(cfg))
+        callbacks.append(QKClipCallback(cfg))
     return callbacks
 
 
 def runtime_callbacks(runtime) -> list:
     """Preemption handling (`runtime.preemption`), then the checkpoint marker (it must run last in `on_save`)."""
-    pre = runtime.preemption
-    return [PreemptionCallback(signals=pre.signals, exit_code=pre.exit_code, enabled=pre.enabled), CheckpointMarker()]
+    return [PreemptionCallback(runtime.preemption), CheckpointMarker()]
 
 
 def build_callbacks(cfg, args=None) -> list:

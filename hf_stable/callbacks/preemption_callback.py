@@ -24,6 +24,7 @@ import threading
 import time
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.config.runtime import PreemptionConfig
 from hf_stable.distributed import all_reduce_flag, shutdown
 from hf_stable.logging import get_logger, print_main
 from hf_stable.outputs import INCOMPLETE_FILE
@@ -37,9 +38,9 @@ class PreemptionCallback(StabilityCallback):
     """Turns a termination signal into "save a checkpoint, then stop" at the next optimizer-step boundary.
 
     Args:
-        signals: signal names to handle, e.g. `("SIGTERM", "SIGUSR1")`.
-        exit_code: exit status `exit_if_preempted` uses after the save.
-        enabled: when False no handler is installed.
+        config: a `PreemptionConfig` (default `PreemptionConfig()`: `signals` to handle, the `exit_code`
+            `exit_if_preempted` uses after the save, `enabled`: when False no handler is installed).
+        **overrides: `PreemptionConfig` fields to change, e.g. `PreemptionCallback(signals=["SIGUSR1"])`.
 
     Raises:
         ValueError: a name in `signals` is not a signal of this platform.
@@ -51,10 +52,11 @@ class PreemptionCallback(StabilityCallback):
         >>> exit_if_preempted(trainer, output)        # SystemExit(143) when a signal stopped training
     """
 
-    def __init__(self, signals=("SIGTERM",), exit_code: int = 143, enabled: bool = True):
-        super().__init__(enabled)
-        self.signals = tuple(signals)
-        self.exit_code = int(exit_code)
+    def __init__(self, config: PreemptionConfig | None = None, **overrides):
+        super().__init__()
+        cfg = self._use_config(PreemptionConfig, config, overrides)
+        self.signals = tuple(cfg.signals)
+        self.exit_code = int(cfg.exit_code)
         self._signums = [self._signum(name) for name in self.signals]
         self._received: int | None = None
         self._received_at = 0.0

@@ -137,8 +137,12 @@ class RollbackConfig:
         return out
 
 
+# per_group clipping: max norm per parameter site (a site the user leaves out keeps its value here)
+DEFAULT_GROUP_MAX_NORM = {"embeddings": 0.3, "layer": 0.8, "norm": 0.8, "lm_head": 0.5, "other": 1.0}
+
+
 def _default_group_max_norm() -> dict[str, float]:
-    return {"embeddings": 0.3, "layer": 0.8, "norm": 0.8, "lm_head": 0.5, "other": 1.0}
+    return dict(DEFAULT_GROUP_MAX_NORM)
 
 
 @dataclass
@@ -175,7 +179,7 @@ class ClippingConfig:
         check_unit_interval(self, ("ema_alpha",), out)
         if self.mode == "global" and self.max_norm is None:
             out.append("max_norm: got null, global mode needs a number")
-        allowed = set(_default_group_max_norm())
+        allowed = set(DEFAULT_GROUP_MAX_NORM)
         for key, value in self.group_max_norm.items():
             if key not in allowed:
                 out.append(f"group_max_norm.{key}: unknown site (allowed: {', '.join(sorted(allowed))})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
+from hf_stable.config.guards import BatchWarmupConfig
 
 
 class BatchWarmupGuard(StabilityCallback):
@@ -17,29 +18,23 @@ class BatchWarmupGuard(StabilityCallback):
 
     Args:
         accumulation: the `AccumulationControl` (listed after this guard).
-        initial_accumulation: micro-batches per step at the start.
-        double_every: double every N optimizer steps.
-        enabled: when False the callback does nothing.
+        config: a `BatchWarmupConfig` (default `BatchWarmupConfig()` switched on; every field is documented there
+            and in docs/CONFIG.md; `target_accumulation` and `lr_rule` are the `AccumulationControl`'s business).
+        **overrides: `BatchWarmupConfig` fields to change, e.g. `BatchWarmupGuard(acc, double_every=100)`.
 
     Example:
         >>> lr = LRControl(); acc = AccumulationControl(lr, target=16)
         >>> callbacks = [BatchWarmupGuard(acc, initial_accumulation=1, double_every=100), acc, lr]
     """
 
-    def __init__(self, accumulation: AccumulationControl, initial_accumulation: int = 1, double_every: int = 100,
-                 enabled: bool = True):
-        super().__init__(enabled)
+    def __init__(self, accumulation: AccumulationControl, config: BatchWarmupConfig | None = None, **overrides):
+        super().__init__()
+        self._use_config(BatchWarmupConfig, config, overrides)
         self.accumulation = accumulation
-        self.initial_accumulation = initial_accumulation
-        self.double_every = double_every
         accumulation.add_plan("batch_warmup", self._plan)
 
     def _plan(self, step: int) -> float:
         return self.accumulation_at(step) / self.accumulation.target if self.enabled else 1.0
-
-    @classmethod
-    def from_config(cls, cfg, accumulation: AccumulationControl) -> BatchWarmupGuard:
-        return cls(accumulation, cfg.initial_accumulation, cfg.double_every, cfg.enabled)
 
     def accumulation_at(self, step: int) -> int:
         """The accumulation wanted for optimizer steps after `step` completed steps."""

@@ -55,28 +55,28 @@ def build_guards(cfg, training: dict | None = None) -> list[StabilityCallback]:
     if not cfg.enabled:
         return []
     training = training or {}
-    lr = LRControl.from_config(cfg.lr)
+    lr = LRControl(cfg.lr)
     out: list[StabilityCallback] = []
-    skip = SkipGuard.from_config(cfg.skip) if cfg.skip.enabled else None
-    clip = ClipGuard.from_config(cfg.clipping, skip_guard=skip) if cfg.clipping.enabled else None
+    skip = SkipGuard(cfg.skip) if cfg.skip.enabled else None
+    clip = ClipGuard(cfg.clipping, skip_guard=skip) if cfg.clipping.enabled else None
     if skip is not None:
         out.append(skip)
         if cfg.rollback.enabled:  # the adaptive clip statistics roll back with the weights too
-            out.append(RollbackGuard.from_config(cfg.rollback, skip, lr, followers=[clip] if clip else None))
+            out.append(RollbackGuard(skip, lr, cfg.rollback, followers=[clip] if clip else None))
     if clip is not None:
         out.append(clip)
     if cfg.snr.enabled:
-        out.append(SNRGuard.from_config(cfg.snr, lr, skip_guard=skip))
+        out.append(SNRGuard(lr, cfg.snr, skip_guard=skip))
     if cfg.phases.enabled:
-        out.append(OptimizerPhaseGuard.from_config(cfg.phases, lr))
+        out.append(OptimizerPhaseGuard(lr, cfg.phases))
     if cfg.batch_warmup.enabled or cfg.thermal.enabled:
         rule = cfg.batch_warmup.lr_rule if cfg.batch_warmup.enabled else cfg.thermal.lr_rule
         target = cfg.batch_warmup.target_accumulation or int(training.get("gradient_accumulation_steps", 1))
         acc = AccumulationControl(lr, target=target, lr_rule=rule)
         if cfg.batch_warmup.enabled:
-            out.append(BatchWarmupGuard.from_config(cfg.batch_warmup, acc))
+            out.append(BatchWarmupGuard(acc, cfg.batch_warmup))
         if cfg.thermal.enabled:
-            out.append(ThermalGuard.from_config(cfg.thermal, acc))
+            out.append(ThermalGuard(acc, cfg.thermal))
         out.append(acc)
     out.append(lr)
     return out

@@ -30,11 +30,11 @@ import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.compat import foreach_mul_
+from hf_stable.config.guards import DEFAULT_GROUP_MAX_NORM, ClippingConfig
 from hf_stable.core.grad_stats import GradReport, GradStats
 from hf_stable.distributed import sharded_training
 
 MODES = ("global", "per_group", "adaptive")
-DEFAULT_GROUP_MAX_NORM = {"embeddings": 0.3, "layer": 0.8, "norm": 0.8, "lm_head": 0.5, "other": 1.0}
 
 
 def site_of(group: str) -> str:
@@ -47,16 +47,10 @@ class ClipGuard(StabilityCallback):
     """Clips gradients globally, per group or adaptively per group; metrics `clip/*`.
 
     Args:
-        mode: "global", "per_group" or "adaptive".
-        max_norm: global max norm (global mode); outer cap and warm-up rule (adaptive); None = no cap.
-        group_max_norm: per_group mode: max norm per site (embeddings, layer, norm, lm_head, other).
-        ema_alpha: adaptive: EMA decay of each group's norm mean and variance.
-        z_threshold: adaptive: clip groups whose z-score exceeds this.
-        warmup_steps: adaptive: steps of statistics before z-clipping.
-        agc_lambda: unit-wise AGC ratio (None = off).
-        agc_eps: AGC floor of the weight-row norm.
+        config: a `ClippingConfig` (default `ClippingConfig()`; every field is documented there and in
+            docs/CONFIG.md). Sites missing from `group_max_norm` keep their default.
         skip_guard: the `SkipGuard` (listed before this guard); skipped steps are left alone.
-        enabled: when False the callback does nothing.
+        **overrides: `ClippingConfig` fields to change, e.g. `ClipGuard(mode="global", max_norm=1.0)`.
 
     Raises:
         ValueError: an unknown mode.
@@ -65,41 +59,17 @@ class ClipGuard(StabilityCallback):
         >>> ClipGuard(mode="per_group", group_max_norm={"embeddings": 0.3, "layer": 0.8, "lm_head": 0.5})
     """
 
-    def __init__(
-        self,
-        mode: str = "adaptive",
-        max_norm: float | None = 1.0,
-        group_max_norm: dict[str, float] | None = None,
-        ema_alpha: float = 0.97,
-        z_threshold: float = 2.5,
-        warmup_steps: int = 25,
-        agc_lambda: float | None = None,
-        agc_eps: float = 1e-3,
-        skip_guard=None,
-        enabled: bool = True,
-    ):
-        super().__init__(enabled)
-        if mode not in MODES:
-            raise ValueError(f"ClipGuard mode: got {mode!r}, allowed: {', '.join(MODES)}")
-        self.mode = mode
-        self.max_norm = max_norm
-        self.group_max_norm = {**DEFAULT_GROUP_MAX_NORM, **(group_max_norm or {})}
-        self.ema_alpha = ema_alpha
-        self.z_threshold = z_threshold
-        self.warmup_steps = warmup_steps
-        self.agc_lambda = agc_lambda
-        self.agc_eps = agc_eps
+    def __init__(self, config: ClippingConfig | None = None, *, skip_guard=None, **overrides):
+        super().__init__()
+        cfg = self._use_config(ClippingConfig, config, overrides)
+        if cfg.mode not in MODES:
+            raise ValueError(f"ClipGuard mode: got {cfg.mode!r}, allowed: {', '.join(MODES)}")
+        self.group_max_norm = {**DEFAULT_GROUP_MAX_NORM, **(cfg.group_max_norm or {})}
         self.skip_guard = skip_guard
         self._stats: dict[str, list[float]] = {}  # group -> [mean, var, n]
         self._clipped_steps = 0
         self._off = False
         self.last_coefficients: dict[str, float] = {}
-
-    @classmethod
-    def from_config(cls, cfg, skip_guard=None) -> ClipGuard:
-        names = ("mode", "max_norm", "group_max_norm", "ema_alpha", "z_threshold", "warmup_steps", "agc_lambda",
-                 "agc_eps", "enabled")
-        return cls(skip_guard=skip_guard, **{n: getattr(cfg, n) for n in names})
 
     # --- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.config.guards import LRControlConfig
 from hf_stable.optim.phases import unwrap_optimizer
 
 
@@ -30,9 +31,9 @@ class LRControl(StabilityCallback):
     """Multiplies each param group's scheduler LR by the product of named factors, every step.
 
     Args:
-        min_factor: the product never goes below this ...
-        max_factor: ... nor above this.
+        config: an `LRControlConfig` (default `LRControlConfig()`: the clamp of the product of the factors).
         enabled: when False factors are kept but never applied.
+        **overrides: `LRControlConfig` fields to change, e.g. `LRControl(min_factor=0.01)`.
 
     Example:
         >>> control = LRControl()
@@ -40,18 +41,13 @@ class LRControl(StabilityCallback):
         >>> trainer = Trainer(..., callbacks=[control])
     """
 
-    def __init__(self, min_factor: float = 1e-3, max_factor: float = 10.0, enabled: bool = True):
+    def __init__(self, config: LRControlConfig | None = None, *, enabled: bool = True, **overrides):
         super().__init__(enabled)
-        self.min_factor = min_factor
-        self.max_factor = max_factor
+        self._use_config(LRControlConfig, config, overrides)
         self._factors: dict[str, float] = {}
         self._named: set[str] = set()
         self._optimizer = None
         self._scheduler_lrs: list[float] | None = None  # set between pre-optimizer step and optimizer step
-
-    @classmethod
-    def from_config(cls, cfg) -> LRControl:
-        return cls(min_factor=cfg.min_factor, max_factor=cfg.max_factor)
 
     # --- factors ---------------------------------------------------------------------------------
     @property

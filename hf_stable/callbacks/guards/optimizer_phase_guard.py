@@ -8,6 +8,7 @@ import math
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.lr_control import LRControl
+from hf_stable.config.guards import OptimizerPhasesConfig
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.step_tap import StepTapUser
 from hf_stable.errors import ConfigError
@@ -18,32 +19,28 @@ class OptimizerPhaseGuard(StepTapUser, StabilityCallback):
     """Switches a `PhasedOptimizer` at the configured steps or when the loss flattens; event `optimizer_switch`.
 
     Args:
-        phases: objects with `name`, `until_step`, `until_dloss_below`, `lr_scale` (e.g. `PhaseConfig`).
         lr_control: the `LRControl` holding the `phase` LR factor.
-        dloss_ema_beta: EMA decay of |loss[t] - loss[t-1]| for `until_dloss_below`.
-        enabled: when False the callback does nothing.
+        config: an `OptimizerPhasesConfig` (default: its three phases, switched on; every field is documented
+            there and in docs/CONFIG.md; `state_policy` is the `PhasedOptimizer`'s business).
+        **overrides: `OptimizerPhasesConfig` fields to change, e.g. `OptimizerPhaseGuard(lr, phases=[...])`.
 
     Raises:
         ConfigError: at train start when the Trainer's optimizer is not a `PhasedOptimizer` with these phases.
 
     Example:
         >>> lr = LRControl()
-        >>> callbacks = [OptimizerPhaseGuard(cfg.phases, lr), lr]
+        >>> callbacks = [OptimizerPhaseGuard(lr, cfg.stability.guards.phases), lr]
     """
 
-    def __init__(self, phases, lr_control: LRControl, dloss_ema_beta: float = 0.98, enabled: bool = True):
-        super().__init__(enabled)
-        self.phases = list(phases)
+    def __init__(self, lr_control: LRControl, config: OptimizerPhasesConfig | None = None, **overrides):
+        super().__init__()
+        cfg = self._use_config(OptimizerPhasesConfig, config, overrides)
+        self.phases = list(cfg.phases)
         self.lr_control = lr_control
-        self.dloss_ema_beta = dloss_ema_beta
         self._prev_loss: float | None = None
         self._dloss_ema: float | None = None
         self._seen = 0
         self._optimizer: PhasedOptimizer | None = None
-
-    @classmethod
-    def from_config(cls, cfg, lr_control: LRControl) -> OptimizerPhaseGuard:
-        return cls(cfg.phases, lr_control, cfg.dloss_ema_beta, cfg.enabled)
 
     def state_dict(self) -> dict:
         return {"prev_loss": self._prev_loss, "dloss_ema": self._dloss_ema, "seen": self._seen}

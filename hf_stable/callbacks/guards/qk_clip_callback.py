@@ -14,6 +14,8 @@ from hf_stable.attention.qk_clip import attention_layers, frozen_norm_bound, lay
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.monitors.attention_monitor_callback import IMPLEMENTATION, sample_step
 from hf_stable.compat import attn_implementation
+from hf_stable.config.attention import AttentionConfig
+from hf_stable.config.fields import config_from
 from hf_stable.errors import ConfigError
 
 
@@ -21,49 +23,38 @@ class QKClipCallback(StabilityCallback):
     """Rescales query/key weights per head when a layer's sampled max attention logit exceeds `tau`.
 
     Args:
-        tau: threshold on the max pre-softmax logit (raw scaled q·k).
-        alpha: share of the rescale on queries; keys take `1 - alpha`.
-        interval: check every N optimizer steps (and step 1); a check costs one extra q·k pass per layer.
-        on_lora: "delta" scales the LoRA B rows of q_proj/k_proj when the base q/k are frozen (cannot fix a
-            frozen base that alone exceeds tau: an `qk_clip_ineffective` event says so); "error" refuses.
+        config: the `AttentionConfig` section (default `AttentionConfig()`): `qk_clip_tau` (threshold on the max
+            pre-softmax logit), `qk_clip_alpha` (share of the rescale on queries), `qk_clip_interval` (check every N
+            optimizer steps and step 1; one extra q·k pass per layer), `qk_clip_on_lora` ("delta" scales the LoRA
+            B rows of q_proj/k_proj when the base q/k are frozen: a frozen base that alone exceeds tau cannot be
+            fixed, an `qk_clip_ineffective` event says so; "error" refuses).
         probe: the probe to arm (defaults to the process-wide one).
         enabled: False makes the callback a no-op.
+        **overrides: `AttentionConfig` fields to change, e.g. `QKClipCallback(qk_clip_tau=100.0)`.
 
     Raises:
         ConfigError: at train start, `on_lora="error"` and the model's q/k are LoRA-adapted with a frozen base.
 
     Example:
-        >>> Trainer(model, args, callbacks=[QKClipCallback(tau=100.0)], ...)  # model on attn "hf_stable"
+        >>> Trainer(model, args, callbacks=[QKClipCallback(qk_clip_tau=100.0)], ...)  # model on attn "hf_stable"
     """
 
     def __init__(
-        self,
-        tau: float = 100.0,
-        alpha: float = 0.5,
-        interval: int = 1,
-        on_lora: str = "delta",
-        probe: LogitProbe | None = None,
-        enabled: bool = True,
+        self, config: AttentionConfig | None = None, *, probe: LogitProbe | None = None, enabled: bool = True, **overrides
     ):
         super().__init__(enabled=enabled)
-        if on_lora not in ("delta", "error"):
-            raise ConfigError(f"qk_clip_on_lora: got {on_lora!r}, allowed: 'delta', 'error'")
-        self.tau = tau
-        self.alpha = alpha
-        self.interval = interval
-        self.on_lora = on_lora
+        cfg = self.config = config_from(AttentionConfig, config, overrides)
+        if cfg.qk_clip_on_lora not in ("delta", "error"):
+            raise ConfigError(f"qk_clip_on_lora: got {cfg.qk_clip_on_lora!r}, allowed: 'delta', 'error'")
+        self.tau = cfg.qk_clip_tau
+        self.alpha = cfg.qk_clip_alpha
+        self.interval = cfg.qk_clip_interval
+        self.on_lora = cfg.qk_clip_on_lora
         self.probe = probe if probe is not None else get_probe()
         self._active = enabled
         self._total = 0
         self._last_clip: dict[int, tuple[int, float]] = {}  # layer -> (step, max logit that triggered it)
         self._warned: set[str] = set()
-
-    @classmethod
-    def from_config(cls, cfg) -> QKClipCallback:
-        """From an `AttentionConfig` section."""
-        return cls(
-            tau=cfg.qk_clip_tau, alpha=cfg.qk_clip_alpha, interval=cfg.qk_clip_interval, on_lora=cfg.qk_clip_on_lora
-        )
 
     def state_dict(self) -> dict:
         return {

@@ -58,6 +58,7 @@ from pathlib import Path
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.lr_control import LRControl
 from hf_stable.callbacks.guards.skip_guard import SkipGuard
+from hf_stable.config.guards import RollbackConfig
 from hf_stable.core.monitor_utils import collective_device
 from hf_stable.core.rank_agreement import agree, drop_gradients, rank_of
 from hf_stable.core.rollback_check import probe_snapshot, weights_damaged
@@ -73,23 +74,11 @@ class RollbackGuard(StabilityCallback):
     Args:
         skip_guard: the `SkipGuard` whose verdicts count as bad steps (listed before this guard).
         lr_control: the `LRControl` holding the persistent `rollback` LR factor.
-        snapshot_every: at most this many good steps between snapshots.
-        snapshot_share: snapshot once the good steps since the last one reach this share of the steps done ...
-        snapshot_min_every: ... but never more often than every this many good steps (None share: every
-            `snapshot_every`).
-        bad_steps: K, the number of bad steps ...
-        window: ... within this many optimizer steps that triggers a rollback.
-        lr_backoff: multiply the `rollback` LR factor by this at each rollback.
-        escalate: a repeat rollback to the same snapshot after at least one good step raises the backoff exponent.
-        verify: before restoring, probe the step's batch at the snapshot's weights (`rollback_check`); when it is as
-            bad there (bad data, not damaged weights) decline the rollback.
-        storage: "memory" (CPU copies) or "disk" (one file per rank under the output dir).
-        host_memory_share: the share of the available host memory (split over the ranks on the host) snapshots
-            may take; a larger snapshot goes to disk.
-        max_rollbacks: after this many rollbacks only skip (event `rollback_exhausted`).
+        config: a `RollbackConfig` (default `RollbackConfig()`; every field is documented there and in
+            docs/CONFIG.md).
         followers: more guards whose references roll back with the weights (`stats_state()` / `after_rollback()`,
             e.g. `ClipGuard`); the skip guard always does.
-        enabled: when False the callback does nothing.
+        **overrides: `RollbackConfig` fields to change, e.g. `RollbackGuard(skip, lr, snapshot_every=20)`.
 
     Raises:
         ConfigError: at train start, when a snapshot fits neither in host memory nor on disk.
@@ -103,34 +92,16 @@ class RollbackGuard(StabilityCallback):
         self,
         skip_guard: SkipGuard,
         lr_control: LRControl,
-        snapshot_every: int = 50,
-        bad_steps: int = 3,
-        window: int = 20,
-        lr_backoff: float = 0.5,
-        escalate: bool = True,
-        verify: bool = True,
-        storage: str = "memory",
-        max_rollbacks: int = 10,
-        snapshot_share: float | None = 0.1,
-        snapshot_min_every: int = 10,
-        host_memory_share: float = 0.5,
+        config: RollbackConfig | None = None,
+        *,
         followers: list | None = None,
-        enabled: bool = True,
+        **overrides,
     ):
-        super().__init__(enabled)
+        super().__init__()
+        cfg = self._use_config(RollbackConfig, config, overrides)
+        storage, verify = cfg.storage, cfg.verify
         self.skip_guard = skip_guard
         self.lr_control = lr_control
-        self.snapshot_every = snapshot_every
-        self.snapshot_share = snapshot_share
-        self.snapshot_min_every = snapshot_min_every
-        self.bad_steps = bad_steps
-        self.window = window
-        self.lr_backoff = lr_backoff
-        self.escalate = escalate
-        self.verify = verify
-        self.storage = storage
-        self.host_memory_share = host_memory_share
-        self.max_rollbacks = max_rollbacks
         self.followers = [skip_guard, *(followers or [])]
         self._repeats = 0  # backoff exponent of the last rollback to the current snapshot (0: none yet)
         self._held_said = False
@@ -142,12 +113,6 @@ class RollbackGuard(StabilityCallback):
         self._plan = (storage, verify)  # (storage, verify) in use, decided at train start
         self._rolled_back_at: int | None = None
         self._off = False
-
-    @classmethod
-    def from_config(cls, cfg, skip_guard: SkipGuard, lr_control: LRControl, followers=None) -> RollbackGuard:
-        names = ("snapshot_every", "snapshot_share", "snapshot_min_every", "bad_steps", "window", "lr_backoff",
-                 "escalate", "verify", "storage", "host_memory_share", "max_rollbacks", "enabled")
-        return cls(skip_guard, lr_control, followers=followers, **{n: getattr(cfg, n) for n in names})
 
     # --- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.config.guards import SkipConfig
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.monitor_utils import collective_device, robust_zscore
 from hf_stable.core.rank_agreement import GuardOrderError, agree, drop_gradients
@@ -69,21 +70,8 @@ class SkipGuard(StepTapUser, StabilityCallback):
     """Skips bad optimizer steps on every rank together; event `step_skipped`, metrics `guard/skipped*`.
 
     Args:
-        nonfinite: skip when any gradient or the step loss is NaN/Inf.
-        grad_spike_ratio: skip when the pre-clip global grad norm exceeds this x its EMA (None = off).
-        grad_norm_max: skip when the pre-clip global grad norm exceeds this absolute value (None = off).
-        loss_spike_zscore: skip when the loss is this many robust std above the recent median (None = off) ...
-        loss_spike_min_rel: ... and at least this fraction above the median.
-        loss_rise_rel: skip while a fast EMA of the loss (every plausible step, rising ones too) is this fraction
-            above the recent best of a smoothed loss (min over `window` accepted steps of an EMA(0.9)) — a
-            divergence under way rather than one bad batch (None = off).
-        loss_fast_beta: decay of that fast EMA.
-        ema_beta: EMA decay of the grad-norm reference.
-        window: steps of loss history.
-        warmup_steps: accepted steps before spike rules apply (non-finite always applies).
-        max_consecutive_skips: after this many consecutive spike skips the next one is accepted and the
-            references restart from it (event `skip_reference_reset`); non-finite steps are always skipped.
-        enabled: when False the callback does nothing.
+        config: a `SkipConfig` (default `SkipConfig()`; every field is documented there and in docs/CONFIG.md).
+        **overrides: `SkipConfig` fields to change, e.g. `SkipGuard(loss_spike_zscore=4)`.
 
     Raises:
         GuardOrderError: from `verdict_for` when a guard that needs the verdict runs before this one.
@@ -93,36 +81,13 @@ class SkipGuard(StepTapUser, StabilityCallback):
         >>> trainer = Trainer(..., callbacks=[skip, RollbackGuard(skip, LRControl())])
     """
 
-    def __init__(
-        self,
-        nonfinite: bool = True,
-        grad_spike_ratio: float | None = 10.0,
-        grad_norm_max: float | None = None,
-        loss_spike_zscore: float | None = 3.0,
-        loss_spike_min_rel: float = 1.0,
-        loss_rise_rel: float | None = 0.5,
-        loss_fast_beta: float = 0.7,
-        ema_beta: float = 0.95,
-        window: int = 50,
-        warmup_steps: int = 3,
-        max_consecutive_skips: int = 25,
-        enabled: bool = True,
-    ):
-        super().__init__(enabled)
-        self.nonfinite = nonfinite
-        self.grad_spike_ratio = grad_spike_ratio
-        self.grad_norm_max = grad_norm_max
-        self.loss_spike_zscore = loss_spike_zscore
-        self.loss_spike_min_rel = loss_spike_min_rel
-        self.loss_rise_rel = loss_rise_rel
-        self.loss_fast_beta = loss_fast_beta
+    def __init__(self, config: SkipConfig | None = None, **overrides):
+        super().__init__()
+        cfg = self._use_config(SkipConfig, config, overrides)
+        window = cfg.window
         self._loss_fast: float | None = None
         self._loss_mid: float | None = None
         self._mid_hist: deque[float] = deque(maxlen=window)
-        self.ema_beta = ema_beta
-        self.window = window
-        self.warmup_steps = warmup_steps
-        self.max_consecutive_skips = max_consecutive_skips
         self._spike_streak = 0
         self._norm_ema: float | None = None
         self._accepted = 0
@@ -133,13 +98,6 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self._off_reason: str | None = None
         self._listeners: list[Callable] = []
         self.last_verdict: StepVerdict | None = None
-
-    @classmethod
-    def from_config(cls, cfg) -> SkipGuard:
-        names = ("nonfinite", "grad_spike_ratio", "grad_norm_max", "loss_spike_zscore", "loss_spike_min_rel",
-                 "loss_rise_rel", "loss_fast_beta", "ema_beta", "window", "warmup_steps", "max_consecutive_skips",
-                 "enabled")
-        return cls(**{n: getattr(cfg, n) for n in names})
 
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:

@@ -20,6 +20,7 @@ from collections import deque
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.lr_control import LRControl
+from hf_stable.config.guards import SNRConfig
 from hf_stable.core.grad_stats import GradStats
 
 
@@ -28,56 +29,25 @@ class SNRGuard(StabilityCallback):
 
     Args:
         lr_control: the `LRControl` holding the factor.
-        interval: steps between adjustments.
-        ema_beta: EMA decay of the reference norm.
-        current_window: the current norm is the mean of this many recent steps.
-        high_ratio / decrease: ratio above -> factor x decrease.
-        low_ratio / increase: ratio below -> factor x increase.
-        min_factor / max_factor: clamp of the factor.
+        config: an `SNRConfig` (default `SNRConfig()` switched on; every field is documented there and in
+            docs/CONFIG.md).
         skip_guard: the `SkipGuard` (listed before this guard); skipped steps are ignored.
-        enabled: when False the callback does nothing.
+        **overrides: `SNRConfig` fields to change, e.g. `SNRGuard(lr, interval=100)`.
 
     Example:
         >>> lr = LRControl()
         >>> callbacks = [SNRGuard(lr, interval=100), lr]
     """
 
-    def __init__(
-        self,
-        lr_control: LRControl,
-        interval: int = 100,
-        ema_beta: float = 0.95,
-        current_window: int = 10,
-        high_ratio: float = 1.3,
-        decrease: float = 0.8,
-        low_ratio: float = 0.7,
-        increase: float = 1.1,
-        min_factor: float = 0.1,
-        max_factor: float = 1.5,
-        skip_guard=None,
-        enabled: bool = True,
-    ):
-        super().__init__(enabled)
+    def __init__(self, lr_control: LRControl, config: SNRConfig | None = None, *, skip_guard=None, **overrides):
+        super().__init__()
+        cfg = self._use_config(SNRConfig, config, overrides)
+        current_window = cfg.current_window
         self.lr_control = lr_control
-        self.interval = interval
-        self.ema_beta = ema_beta
-        self.current_window = current_window
-        self.high_ratio = high_ratio
-        self.decrease = decrease
-        self.low_ratio = low_ratio
-        self.increase = increase
-        self.min_factor = min_factor
-        self.max_factor = max_factor
         self.skip_guard = skip_guard
         self._ema: float | None = None
         self._recent: deque[float] = deque(maxlen=current_window)
         self._adjustments = 0
-
-    @classmethod
-    def from_config(cls, cfg, lr_control: LRControl, skip_guard=None) -> SNRGuard:
-        names = ("interval", "ema_beta", "current_window", "high_ratio", "decrease", "low_ratio", "increase",
-                 "min_factor", "max_factor", "enabled")
-        return cls(lr_control, skip_guard=skip_guard, **{n: getattr(cfg, n) for n in names})
 
     def state_dict(self) -> dict:
         return {"ema": self._ema, "recent": list(self._recent), "adjustments": self._adjustments}

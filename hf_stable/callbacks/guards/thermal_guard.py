@@ -17,6 +17,7 @@ import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
+from hf_stable.config.guards import ThermalConfig
 from hf_stable.core.monitor_utils import collective_device
 from hf_stable.core.rank_agreement import agree
 from hf_stable.import_utils import is_nvml_available
@@ -43,12 +44,10 @@ class ThermalGuard(StabilityCallback):
     Args:
         accumulation: the `AccumulationControl` (listed after this guard; its `lr_rule` should be "linear"
             for LR x 6/8).
-        hot_c: at or above this temperature (the hottest rank) the guard engages ...
-        cool_c: ... until it is below this.
-        hot_ratio: accumulation factor while hot (0.75: 8 -> 6).
-        check_every: read the temperature every N optimizer steps.
+        config: a `ThermalConfig` (default `ThermalConfig()` switched on; every field is documented there and
+            in docs/CONFIG.md; its `lr_rule` is the `AccumulationControl`'s business).
         temperature_fn: a callable returning this rank's temperature in C (default: NVML; None result = unknown).
-        enabled: when False the callback does nothing.
+        **overrides: `ThermalConfig` fields to change, e.g. `ThermalGuard(acc, hot_c=75, cool_c=70)`.
 
     Example:
         >>> lr = LRControl(); acc = AccumulationControl(lr, target=8, lr_rule="linear")
@@ -58,28 +57,19 @@ class ThermalGuard(StabilityCallback):
     def __init__(
         self,
         accumulation: AccumulationControl,
-        hot_c: float = 75.0,
-        cool_c: float = 70.0,
-        hot_ratio: float = 0.75,
-        check_every: int = 10,
+        config: ThermalConfig | None = None,
+        *,
         temperature_fn: Callable[[], float | None] | None = None,
-        enabled: bool = True,
+        **overrides,
     ):
-        super().__init__(enabled)
+        super().__init__()
+        self._use_config(ThermalConfig, config, overrides)
         self.accumulation = accumulation
-        self.hot_c = hot_c
-        self.cool_c = cool_c
-        self.hot_ratio = hot_ratio
-        self.check_every = check_every
         self.temperature_fn = temperature_fn
         self._reader: Callable[[], float | None] | None = None
         self._hot = False
         self._device = None
         self.last_temperature: float | None = None
-
-    @classmethod
-    def from_config(cls, cfg, accumulation: AccumulationControl, temperature_fn=None) -> ThermalGuard:
-        return cls(accumulation, cfg.hot_c, cfg.cool_c, cfg.hot_ratio, cfg.check_every, temperature_fn, cfg.enabled)
 
     def state_dict(self) -> dict:
         return {"hot": self._hot}

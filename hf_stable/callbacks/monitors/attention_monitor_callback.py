@@ -17,6 +17,8 @@ from __future__ import annotations
 from hf_stable.attention.probe import LogitProbe, get_probe
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.compat import attn_implementation
+from hf_stable.config.attention import AttentionConfig
+from hf_stable.config.fields import config_from
 
 IMPLEMENTATION = "hf_stable"
 
@@ -33,48 +35,34 @@ class AttentionMonitorCallback(StabilityCallback):
     with another implementation it records one warning event and stays inactive.
 
     Args:
-        interval: sample every N optimizer steps (and step 1). 0 disables.
-        alert_threshold: `attn_logit_high` event when a layer's max goes above it.
-        growth_checks: number of consecutive samples, each above the previous, that make an
-            `attn_logit_growth` event ...
-        growth_ratio: ... provided the last is at least this multiple of the first.
+        config: the `AttentionConfig` section (default `AttentionConfig()`): `monitor_interval` (sample every N
+            optimizer steps and step 1; 0 disables), `logit_alert_threshold` (`attn_logit_high` event when a layer's
+            max goes above it), `logit_growth_checks` consecutive samples each above the previous make an
+            `attn_logit_growth` event provided the last is at least `logit_growth_ratio` x the first.
         probe: the probe to arm (defaults to the process-wide one the attention function feeds).
         enabled: False makes the callback a no-op.
+        **overrides: `AttentionConfig` fields to change, e.g. `AttentionMonitorCallback(monitor_interval=10)`.
 
     Example:
         >>> register(); model = AutoModelForCausalLM.from_pretrained(p, attn_implementation="hf_stable")
-        >>> Trainer(model, args, callbacks=[AttentionMonitorCallback(interval=10)], ...)
+        >>> Trainer(model, args, callbacks=[AttentionMonitorCallback(monitor_interval=10)], ...)
     """
 
     def __init__(
-        self,
-        interval: int = 10,
-        alert_threshold: float = 50.0,
-        growth_checks: int = 5,
-        growth_ratio: float = 1.5,
-        probe: LogitProbe | None = None,
-        enabled: bool = True,
+        self, config: AttentionConfig | None = None, *, probe: LogitProbe | None = None, enabled: bool = True, **overrides
     ):
-        super().__init__(enabled=enabled and interval > 0)
-        self.interval = interval
-        self.alert_threshold = alert_threshold
-        self.growth_checks = growth_checks
-        self.growth_ratio = growth_ratio
+        cfg = config_from(AttentionConfig, config, overrides)
+        super().__init__(enabled=enabled and cfg.monitor_interval > 0)
+        self.config = cfg
+        self.interval = cfg.monitor_interval
+        self.alert_threshold = cfg.logit_alert_threshold
+        self.growth_checks = cfg.logit_growth_checks
+        self.growth_ratio = cfg.logit_growth_ratio
         self.probe = probe if probe is not None else get_probe()
         self._active = self.enabled
         self._above: set[int] = set()
         self._history: dict[int, list[float]] = {}
         self._last: dict[int, float] = {}
-
-    @classmethod
-    def from_config(cls, cfg) -> AttentionMonitorCallback:
-        """From an `AttentionConfig` section."""
-        return cls(
-            interval=cfg.monitor_interval,
-            alert_threshold=cfg.logit_alert_threshold,
-            growth_checks=cfg.logit_growth_checks,
-            growth_ratio=cfg.logit_growth_ratio,
-        )
 
     def state_dict(self) -> dict:
         return {

@@ -73,7 +73,7 @@ def build_monitors(cfg) -> list[StabilityCallback]:
         (cfg.throughput, ThroughputMonitor),
         (cfg.hardware, HardwareMonitor),
     )
-    return [cls.from_config(section) for section, cls in sections if section.enabled]
+    return [cls(section) for section, cls in sections if section.enabled]
 
 
 __all__ = [

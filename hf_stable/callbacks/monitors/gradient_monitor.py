@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.config.stability import GradMonitorConfig
 from hf_stable.core.grad_stats import GradReport, GradStats
 from hf_stable.core.monitor_utils import AlertGate, logs_at, sharded_training
 
@@ -22,53 +23,23 @@ class GradientMonitor(StabilityCallback):
     vanishing and a huge single gradient element.
 
     Args:
-        every_n_steps: check every N optimizer steps (one host transfer per check).
-        explosion_norm: `grad_explosion` event when the global norm exceeds this.
-        vanishing_norm: a global norm below this counts as vanishing ...
-        vanishing_patience: ... and `grad_vanishing` fires after this many consecutive checks.
-        max_abs: `grad_max_abs` event (with the group and parameter) when max |g| exceeds this.
-        cooldown_steps: steps before the same alert fires again.
-        enabled: when False the callback does nothing.
+        config: a `GradMonitorConfig` (default `GradMonitorConfig()`; every field is documented there and in
+            docs/CONFIG.md).
+        **overrides: `GradMonitorConfig` fields to change, e.g. `GradientMonitor(explosion_norm=1e3)`.
 
     Example:
         >>> trainer = Trainer(..., callbacks=[GradientMonitor(explosion_norm=1e3)])
     """
 
-    def __init__(
-        self,
-        every_n_steps: int = 1,
-        explosion_norm: float = 1e4,
-        vanishing_norm: float = 1e-6,
-        vanishing_patience: int = 10,
-        max_abs: float = 1e3,
-        cooldown_steps: int = 50,
-        enabled: bool = True,
-    ):
-        super().__init__(enabled)
-        self.every_n_steps = every_n_steps
-        self.explosion_norm = explosion_norm
-        self.vanishing_norm = vanishing_norm
-        self.vanishing_patience = vanishing_patience
-        self.max_abs = max_abs
-        self.cooldown_steps = cooldown_steps
-        self._gate = AlertGate(cooldown_steps)
+    def __init__(self, config: GradMonitorConfig | None = None, **overrides):
+        super().__init__()
+        cfg = self._use_config(GradMonitorConfig, config, overrides)
+        self._gate = AlertGate(cfg.cooldown_steps)
         self._vanishing_streak = 0
         self._checks = 0
         self._off_reason: str | None = None
         self._post_clip = False
         self.last_report: GradReport | None = None
-
-    @classmethod
-    def from_config(cls, cfg) -> GradientMonitor:
-        return cls(
-            every_n_steps=cfg.every_n_steps,
-            explosion_norm=cfg.explosion_norm,
-            vanishing_norm=cfg.vanishing_norm,
-            vanishing_patience=cfg.vanishing_patience,
-            max_abs=cfg.max_abs,
-            cooldown_steps=cfg.cooldown_steps,
-            enabled=cfg.enabled,
-        )
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:

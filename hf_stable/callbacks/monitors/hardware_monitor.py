@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.config.stability import HardwareMonitorConfig
 from hf_stable.core.monitor_utils import AlertGate, collective_device, reduce_host
 from hf_stable.distributed import all_reduce_flag
 from hf_stable.import_utils import is_nvml_available
@@ -24,27 +25,22 @@ class HardwareMonitor(StabilityCallback):
     """Logs `hw/gpu_temp_c`, `hw/sm_clock_mhz`, `hw/power_w`, `hw/gpu_util_pct`; event `gpu_hot`.
 
     Args:
-        temp_alert_c: `gpu_hot` when the temperature reaches this (°C).
-        cooldown_steps: steps before the temperature alert fires again.
-        enabled: when False the callback does nothing.
+        config: a `HardwareMonitorConfig` (default `HardwareMonitorConfig()`; every field is documented there and in
+            docs/CONFIG.md).
+        **overrides: `HardwareMonitorConfig` fields to change, e.g. `HardwareMonitor(temp_alert_c=80)`.
 
     Example:
         >>> HardwareMonitor(temp_alert_c=80)
     """
 
-    def __init__(self, temp_alert_c: float = 85.0, cooldown_steps: int = 500, enabled: bool = True):
-        super().__init__(enabled)
-        self.temp_alert_c = temp_alert_c
-        self.cooldown_steps = cooldown_steps
-        self._gate = AlertGate(cooldown_steps)
+    def __init__(self, config: HardwareMonitorConfig | None = None, **overrides):
+        super().__init__()
+        cfg = self._use_config(HardwareMonitorConfig, config, overrides)
+        self._gate = AlertGate(cfg.cooldown_steps)
         self._handle = None
         self._nvml = None
         self._device = None
         self._off_reason: str | None = None
-
-    @classmethod
-    def from_config(cls, cfg) -> HardwareMonitor:
-        return cls(temp_alert_c=cfg.temp_alert_c, cooldown_steps=cfg.cooldown_steps, enabled=cfg.enabled)
 
     def state_dict(self) -> dict:
         return {"gate": self._gate.state_dict()}

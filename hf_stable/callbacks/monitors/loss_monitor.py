@@ -17,6 +17,7 @@ import math
 from collections import deque
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.config.stability import LossMonitorConfig
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.monitor_utils import AlertGate, robust_zscore
 from hf_stable.core.step_tap import StepTapUser
@@ -27,62 +28,25 @@ class LossMonitor(StepTapUser, StabilityCallback):
     `loss_curvature`, `loss_plateau` (and stops training on a plateau when `plateau_early_stop`).
 
     Args:
-        spike_window: steps of loss history for the robust z-score.
-        spike_min_history: no spike verdict before this much history.
-        spike_zscore: `loss_spike` when (loss - median) / (1.4826 MAD) exceeds this.
-        curvature_threshold: second difference above this (while rising) ...
-        curvature_patience: ... for this many consecutive checks → `loss_curvature`.
-        curvature_interval: steps per curvature check (l[i] = mean loss of the i-th interval).
-        plateau_window: eval loss flat over this many steps → `loss_plateau`.
-        plateau_delta: flat means max - min below this.
-        plateau_early_stop: set `control.should_training_stop` on a plateau.
-        cooldown_steps: steps before the same alert fires again.
-        enabled: when False the callback does nothing.
+        config: a `LossMonitorConfig` (default `LossMonitorConfig()`; every field is documented there and in
+            docs/CONFIG.md).
+        **overrides: `LossMonitorConfig` fields to change, e.g. `LossMonitor(spike_zscore=5.0)`.
 
     Example:
         >>> LossMonitor(spike_zscore=5.0, plateau_window=500)
     """
 
-    def __init__(
-        self,
-        spike_window: int = 100,
-        spike_min_history: int = 20,
-        spike_zscore: float = 6.0,
-        curvature_threshold: float = 0.1,
-        curvature_patience: int = 5,
-        curvature_interval: int = 1,
-        plateau_window: int = 200,
-        plateau_delta: float = 1e-3,
-        plateau_early_stop: bool = True,
-        cooldown_steps: int = 50,
-        enabled: bool = True,
-    ):
-        super().__init__(enabled)
-        self.spike_window = spike_window
-        self.spike_min_history = spike_min_history
-        self.spike_zscore = spike_zscore
-        self.curvature_threshold = curvature_threshold
-        self.curvature_patience = curvature_patience
-        self.curvature_interval = curvature_interval
-        self.plateau_window = plateau_window
-        self.plateau_delta = plateau_delta
-        self.plateau_early_stop = plateau_early_stop
-        self.cooldown_steps = cooldown_steps
-        self._gate = AlertGate(cooldown_steps)
-        self._history: deque[float] = deque(maxlen=spike_window)
+    def __init__(self, config: LossMonitorConfig | None = None, **overrides):
+        super().__init__()
+        cfg = self._use_config(LossMonitorConfig, config, overrides)
+        self._gate = AlertGate(cfg.cooldown_steps)
+        self._history: deque[float] = deque(maxlen=cfg.spike_window)
         self._interval: list[float] = []
         self._checks: deque[float] = deque(maxlen=3)
         self._curv_streak = 0
         self._evals: list[tuple[int, float]] = []
         self._plateau_fired = False
         self._from_tap = False
-
-    @classmethod
-    def from_config(cls, cfg) -> LossMonitor:
-        names = ("spike_window", "spike_min_history", "spike_zscore", "curvature_threshold", "curvature_patience",
-                 "curvature_interval", "plateau_window", "plateau_delta", "plateau_early_stop", "cooldown_steps",
-                 "enabled")
-        return cls(**{n: getattr(cfg, n) for n in names})
 
     def state_dict(self) -> dict:
         return {

@@ -17,6 +17,7 @@ from collections import deque
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.config.stability import MemoryMonitorConfig
 from hf_stable.core.monitor_utils import AlertGate, collective_device, reduce_host
 
 GIB = float(1 << 30)
@@ -48,39 +49,22 @@ class MemoryMonitor(StabilityCallback):
     `mem/ooms` (CUDA) and `mem/rss_gib`; events `memory_leak`, `alloc_retries`, `oom`.
 
     Args:
-        every_n_steps: sample every N steps (and at every logging step).
-        leak_window: samples in the leak-trend window.
-        leak_min_growth_gib: minimum total growth for a leak.
-        leak_rising_fraction: fraction of rising sample-to-sample changes for a leak.
-        warmup_steps: ignore samples before this step.
-        cooldown_steps: steps before the leak alert fires again.
-        enabled: when False the callback does nothing.
+        config: a `MemoryMonitorConfig` (default `MemoryMonitorConfig()`; every field is documented there and in
+            docs/CONFIG.md).
+        **overrides: `MemoryMonitorConfig` fields to change, e.g. `MemoryMonitor(leak_window=20)`.
 
     Example:
         >>> MemoryMonitor(every_n_steps=50, leak_window=20)
     """
 
-    def __init__(self, every_n_steps: int = 10, leak_window: int = 10, leak_min_growth_gib: float = 0.25,
-                 leak_rising_fraction: float = 0.9, warmup_steps: int = 20, cooldown_steps: int = 500,
-                 enabled: bool = True):
-        super().__init__(enabled)
-        self.every_n_steps = every_n_steps
-        self.leak_window = leak_window
-        self.leak_min_growth_gib = leak_min_growth_gib
-        self.leak_rising_fraction = leak_rising_fraction
-        self.warmup_steps = warmup_steps
-        self.cooldown_steps = cooldown_steps
-        self._gate = AlertGate(cooldown_steps)
-        self._trend: deque[float] = deque(maxlen=leak_window)
+    def __init__(self, config: MemoryMonitorConfig | None = None, **overrides):
+        super().__init__()
+        cfg = self._use_config(MemoryMonitorConfig, config, overrides)
+        self._gate = AlertGate(cfg.cooldown_steps)
+        self._trend: deque[float] = deque(maxlen=cfg.leak_window)
         self._retries = 0.0
         self._ooms = 0.0
         self._device = torch.device("cpu")
-
-    @classmethod
-    def from_config(cls, cfg) -> MemoryMonitor:
-        names = ("every_n_steps", "leak_window", "leak_min_growth_gib", "leak_rising_fraction", "warmup_steps",
-                 "cooldown_steps", "enabled")
-        return cls(**{n: getattr(cfg, n) for n in names})
 
     def state_dict(self) -> dict:
         return {"trend": list(self._trend), "retries": self._retries, "ooms": self._ooms,

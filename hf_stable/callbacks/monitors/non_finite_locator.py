@@ -31,6 +31,7 @@ import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.compat import foreach_norm
+from hf_stable.config.stability import NonFiniteConfig
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.monitor_utils import AlertGate, sharded_training
 from hf_stable.core.step_tap import StepTap, StepTapUser, batch_gradients
@@ -47,38 +48,22 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
     loss (event `nonfinite_loss`).
 
     Args:
-        rerun: re-run the step's batches when every gradient is already NaN (see module docstring).
-        detect_anomaly: during the re-run use `torch.autograd.detect_anomaly` to name the op.
-        max_reruns: at most this many re-runs per training run.
-        max_names: parameter names listed in an event message (the event's `params` field keeps up to 100).
-        cooldown_steps: after an event, the same kind stays quiet this many steps (a run whose weights are
-            already NaN fails every step; suppressed steps are counted in the next event).
-        enabled: when False the callback does nothing.
+        config: a `NonFiniteConfig` (default `NonFiniteConfig()`; every field is documented there and in
+            docs/CONFIG.md).
+        **overrides: `NonFiniteConfig` fields to change, e.g. `NonFiniteLocator(detect_anomaly=True)`.
 
     Example:
         >>> trainer = Trainer(..., callbacks=[NonFiniteLocator(detect_anomaly=True)])
     """
 
-    def __init__(
-        self, rerun: bool = True, detect_anomaly: bool = False, max_reruns: int = 3, max_names: int = 20,
-        cooldown_steps: int = 50, enabled: bool = True,
-    ):
-        super().__init__(enabled)
-        self.rerun = rerun
-        self.detect_anomaly = detect_anomaly
-        self.max_reruns = max_reruns
-        self.max_names = max_names
-        self.cooldown_steps = cooldown_steps
-        self._gate = AlertGate(cooldown_steps)
+    def __init__(self, config: NonFiniteConfig | None = None, **overrides):
+        super().__init__()
+        cfg = self._use_config(NonFiniteConfig, config, overrides)
+        self._gate = AlertGate(cfg.cooldown_steps)
         self._reruns = 0
         self._nonfinite_steps: list[int] = []
         self._off = False
         self.last_located: dict | None = None
-
-    @classmethod
-    def from_config(cls, cfg) -> NonFiniteLocator:
-        return cls(rerun=cfg.rerun, detect_anomaly=cfg.detect_anomaly, max_reruns=cfg.max_reruns,
-                   max_names=cfg.max_names, cooldown_steps=cfg.cooldown_steps, enabled=cfg.enabled)
 
     def state_dict(self) -> dict:
         return {"reruns": self._reruns, "nonfinite_steps": self._nonfinite_steps[-100:],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.config.stability import ThroughputMonitorConfig
 from hf_stable.core.monitor_utils import AlertGate, collective_device, reduce_host, world_size
 from hf_stable.core.step_tap import StepTap, StepTapUser
 
@@ -25,26 +26,18 @@ class ThroughputMonitor(StepTapUser, StabilityCallback):
     `data_stall` (warning when mild, error when severe).
 
     Args:
-        mild_ratio: wait / compute above this is a mild stall.
-        severe_ratio: wait / compute above this is a severe stall.
-        min_steps: judge only intervals with at least this many timed steps.
-        skip_first_steps: untimed warm-up steps at the start of each run.
-        cooldown_steps: steps before the stall alert fires again.
-        enabled: when False the callback does nothing.
+        config: a `ThroughputMonitorConfig` (default `ThroughputMonitorConfig()`; every field is documented there and in
+            docs/CONFIG.md).
+        **overrides: `ThroughputMonitorConfig` fields to change, e.g. `ThroughputMonitor(mild_ratio=1.5)`.
 
     Example:
         >>> ThroughputMonitor(mild_ratio=1.5)
     """
 
-    def __init__(self, mild_ratio: float = 1.2, severe_ratio: float = 2.5, min_steps: int = 5,
-                 skip_first_steps: int = 1, cooldown_steps: int = 200, enabled: bool = True):
-        super().__init__(enabled)
-        self.mild_ratio = mild_ratio
-        self.severe_ratio = severe_ratio
-        self.min_steps = min_steps
-        self.skip_first_steps = skip_first_steps
-        self.cooldown_steps = cooldown_steps
-        self._gate = AlertGate(cooldown_steps)
+    def __init__(self, config: ThroughputMonitorConfig | None = None, **overrides):
+        super().__init__()
+        cfg = self._use_config(ThroughputMonitorConfig, config, overrides)
+        self._gate = AlertGate(cfg.cooldown_steps)
         self._totals = {"tokens": 0.0, "wait": 0.0, "compute": 0.0, "steps": 0.0}
         self._interval = dict.fromkeys(self._totals, 0.0)
         self._ready: float | None = None
@@ -53,11 +46,6 @@ class ThroughputMonitor(StepTapUser, StabilityCallback):
         self._seen = 0
         self._device = None
         self._tap: StepTap | None = None
-
-    @classmethod
-    def from_config(cls, cfg) -> ThroughputMonitor:
-        names = ("mild_ratio", "severe_ratio", "min_steps", "skip_first_steps", "cooldown_steps", "enabled")
-        return cls(**{n: getattr(cfg, n) for n in names})
 
     def state_dict(self) -> dict:
         return {"totals": dict(self._totals), "gate": self._gate.state_dict()}

@@ -16,6 +16,7 @@ import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.compat import foreach_copy, foreach_norm, foreach_sub
+from hf_stable.config.stability import UpdateMonitorConfig
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.monitor_utils import AlertGate, sharded_training
 from hf_stable.optim.roles import group_parameters
@@ -25,37 +26,24 @@ class UpdateMonitor(StabilityCallback):
     """Logs `update/ratio/<group>` and `update/ratio_global`; event `update_stall` per group.
 
     Args:
-        every_n_steps: measure every N optimizer steps.
-        stall_ratio: a relative update below this counts as stalled ...
-        min_grad_norm: ... when the group's gradient norm is above this.
-        patience: consecutive stalled checks before alerting.
-        cooldown_steps: steps before the same group alerts again.
-        enabled: when False the callback does nothing.
+        config: a `UpdateMonitorConfig` (default `UpdateMonitorConfig()`; every field is documented there and in
+            docs/CONFIG.md).
+        **overrides: `UpdateMonitorConfig` fields to change, e.g. `UpdateMonitor(every_n_steps=50)`.
 
     Example:
         >>> UpdateMonitor(every_n_steps=50)
     """
 
-    def __init__(self, every_n_steps: int = 20, stall_ratio: float = 1e-9, min_grad_norm: float = 1e-8,
-                 patience: int = 3, cooldown_steps: int = 200, enabled: bool = True):
-        super().__init__(enabled)
-        self.every_n_steps = every_n_steps
-        self.stall_ratio = stall_ratio
-        self.min_grad_norm = min_grad_norm
-        self.patience = patience
-        self.cooldown_steps = cooldown_steps
-        self._gate = AlertGate(cooldown_steps)
+    def __init__(self, config: UpdateMonitorConfig | None = None, **overrides):
+        super().__init__()
+        cfg = self._use_config(UpdateMonitorConfig, config, overrides)
+        self._gate = AlertGate(cfg.cooldown_steps)
         self._streak: dict[str, int] = {}
         self._snapshot: list[torch.Tensor] | None = None
         self._grad_norms: torch.Tensor | None = None
         self._groups: dict | None = None
         self._off = False
         self.last_ratios: dict[str, float] = {}
-
-    @classmethod
-    def from_config(cls, cfg) -> UpdateMonitor:
-        return cls(every_n_steps=cfg.every_n_steps, stall_ratio=cfg.stall_ratio, min_grad_norm=cfg.min_grad_norm,
-                   patience=cfg.patience, cooldown_steps=cfg.cooldown_steps, enabled=cfg.enabled)
 
     def state_dict(self) -> dict:
         return {"streak": dict(self._streak), "gate": self._gate.state_dict()}
