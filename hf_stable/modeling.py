@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hf_stable.config import RunConfig
+from hf_stable.config.attention import ATTN_IMPLEMENTATION
 from hf_stable.config.model import LoraSection, ModelConfig
 from hf_stable.errors import ModelError
 from hf_stable.logging import get_logger
@@ -76,7 +77,7 @@ def load_model(cfg: RunConfig, base: str):
     from transformers import AutoModelForCausalLM
 
     attn = cfg.attention.implementation
-    if attn == "hf_stable":
+    if attn == ATTN_IMPLEMENTATION:
         from hf_stable.attention import register
 
         register(cfg.attention)

@@ -20,13 +20,13 @@ from hf_stable.attention import kernels
 from hf_stable.attention.masks import allowed_rows
 from hf_stable.attention.probe import get_probe
 from hf_stable.attention.settings import AttentionSettings, configure, current_settings
+from hf_stable.config.attention import ATTN_IMPLEMENTATION
 from hf_stable.errors import HfStableError, MissingDependencyError
 from hf_stable.import_utils import is_flash_attn_available
 from hf_stable.logging import get_logger
 
 logger = get_logger(__name__)
 
-ATTN_IMPLEMENTATION = "hf_stable"
 _HALF = (torch.float16, torch.bfloat16)
 _USAGE: collections.Counter = collections.Counter()
 _LOGGED: set = set()

@@ -13,10 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from hf_stable.config.attention import AttentionConfig, kernel_problems
 from hf_stable.errors import ConfigError
 
 Backend = Literal["auto", "flash", "sdpa", "eager"]
-BACKENDS = ("auto", "flash", "sdpa", "eager")
 
 
 @dataclass
@@ -38,27 +38,18 @@ class AttentionSettings:
         >>> register(AttentionSettings(softcap=50.0))  # then attn_implementation="hf_stable"
     """
 
-    backend: Backend = "auto"
-    softcap: float | None = None
+    backend: Backend = AttentionConfig.backend  # the defaults are the config section's
+    softcap: float | None = AttentionConfig.softcap
 
     def __post_init__(self):
-        problems = []
-        if self.backend not in BACKENDS:
-            problems.append(f"backend: got {self.backend!r}, allowed: {', '.join(BACKENDS)}")
-        if self.softcap is not None and not self.softcap > 0:
-            problems.append(f"softcap: got {self.softcap!r}, must be > 0 or null (off)")
-        if self.backend == "sdpa" and self.softcap is not None:
-            problems.append(
-                "softcap: SDPA cannot soft-cap logits; use backend 'auto' (flash or the explicit path) "
-                "or 'eager', or set softcap to null"
-            )
+        problems = kernel_problems(self.backend, self.softcap)
         if problems:
             raise ConfigError(problems, source="AttentionSettings")
 
     @classmethod
     def from_config(cls, cfg) -> AttentionSettings:
         """Settings from an `AttentionConfig` section (or anything with `backend` / `softcap` attributes)."""
-        return cls(backend=getattr(cfg, "backend", "auto"), softcap=getattr(cfg, "softcap", None))
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
 
 _CURRENT = AttentionSettings()

@@ -5,6 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+# the name hf_stable registers its attention function under (`attn_implementation="hf_stable"`)
+ATTN_IMPLEMENTATION = "hf_stable"
+
+BACKENDS = ("auto", "flash", "sdpa", "eager")
+
+
+def kernel_problems(backend: str, softcap: float | None) -> list[str]:
+    """What is wrong with a backend / soft-cap pair (shared by `AttentionConfig` and `AttentionSettings`)."""
+    problems = []
+    if backend not in BACKENDS:
+        problems.append(f"backend: got {backend!r}, allowed: {', '.join(BACKENDS)}")
+    if softcap is not None and not softcap > 0:
+        problems.append(f"softcap: got {softcap!r}, must be > 0 or null (off)")
+    if softcap is not None and backend == "sdpa":
+        problems.append("backend: got 'sdpa', SDPA cannot soft-cap; use 'auto' or 'eager', or softcap: null")
+    return problems
+
 
 @dataclass
 class AttentionConfig:
@@ -14,7 +31,8 @@ class AttentionConfig:
     """
 
     implementation: str = field(
-        default="hf_stable", metadata={"help": "'hf_stable', or any transformers implementation (sdpa, eager, ...)."}
+        default=ATTN_IMPLEMENTATION,
+        metadata={"help": "'hf_stable', or any transformers implementation (sdpa, eager, ...)."},
     )
     backend: Literal["auto", "flash", "sdpa", "eager"] = field(
         default="auto",
@@ -66,17 +84,13 @@ class AttentionConfig:
     )
 
     def validate(self) -> list[str]:
-        problems = []
+        problems = kernel_problems(self.backend, self.softcap)
         extras = [n for n, on in (("softcap", self.softcap is not None), ("qk_clip", self.qk_clip)) if on]
-        if extras and self.implementation != "hf_stable":
+        if extras and self.implementation != ATTN_IMPLEMENTATION:
             problems.append(
                 f"implementation: got {self.implementation!r}, must be 'hf_stable' when {' and '.join(extras)} "
                 "is on (or turn those off)"
             )
-        if self.softcap is not None and not self.softcap > 0:
-            problems.append(f"softcap: got {self.softcap!r}, must be > 0 or null (off)")
-        if self.softcap is not None and self.backend == "sdpa":
-            problems.append("backend: got 'sdpa', SDPA cannot soft-cap; use 'auto' or 'eager', or softcap: null")
         if self.monitor_interval < 0:
             problems.append(f"monitor_interval: got {self.monitor_interval!r}, must be >= 0 (0 = off)")
         if self.logit_growth_checks < 2:

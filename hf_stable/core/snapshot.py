@@ -48,7 +48,7 @@ class SnapshotStore:
         >>> step, same_optimizer, guard_states = store.restore(optimizer)
     """
 
-    def __init__(self, storage: str = "memory", path: Path | None = None):
+    def __init__(self, storage: str, path: Path | None = None):
         self.storage = storage
         self.path = path
         self._snap: dict | None = None  # memory: the snapshot; disk: {"step", "guard_states"}

@@ -18,9 +18,8 @@ labels by one), so packed and padded losses are equal.
 
 from __future__ import annotations
 
+from hf_stable.data.samples import IGNORE_INDEX
 from hf_stable.errors import DataError
-
-IGNORE_INDEX = -100
 
 
 def _as_list(x) -> list:

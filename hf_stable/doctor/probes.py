@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-IGNORE = -100
+from hf_stable.data.samples import IGNORE_INDEX
 
 
 @dataclass
@@ -122,8 +122,8 @@ def _probe_samples(tokenizer) -> list[dict]:
     long_ids = [*words, eos]
     short_ids = [*words[:2], eos]
     return [
-        {"input_ids": long_ids, "labels": [IGNORE, IGNORE, *long_ids[2:]]},
-        {"input_ids": short_ids, "labels": [IGNORE, *short_ids[1:]]},
+        {"input_ids": long_ids, "labels": [IGNORE_INDEX, IGNORE_INDEX, *long_ids[2:]]},
+        {"input_ids": short_ids, "labels": [IGNORE_INDEX, *short_ids[1:]]},
     ]
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from hf_stable.compat import init_optimizer_hooks
+from hf_stable.config.guards import OptimizerPhasesConfig
 from hf_stable.optim.factory import optimizer_over_groups
 from hf_stable.optim.groups import BaseHyperparameters, resolve_hyperparameters
 
@@ -93,7 +94,7 @@ class PhasedOptimizer(torch.optim.Optimizer):
         first: torch.optim.Optimizer,
         names: list[str],
         optim_cfg=None,
-        state_policy="carry_momentum",
+        state_policy: str = OptimizerPhasesConfig.state_policy,
         hyperparameters: BaseHyperparameters | None = None,
     ):
         # Optimizer.__init__ is not called on purpose: groups and state belong to the inner optimizer.

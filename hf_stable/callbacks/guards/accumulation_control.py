@@ -37,6 +37,7 @@ import math
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.lr_control import LRControl
+from hf_stable.config.guards import BatchWarmupConfig
 from hf_stable.distributed import sharded_training
 from hf_stable.errors import ConfigError
 from hf_stable.optim.scaling import rescale_lr
@@ -62,7 +63,9 @@ class AccumulationControl(StabilityCallback):
         >>> callbacks = [BatchWarmupGuard(acc), acc, lr]     # TrainingArguments(gradient_accumulation_steps=1)
     """
 
-    def __init__(self, lr_control: LRControl, target: int = 1, lr_rule: str = "sqrt", enabled: bool = True):
+    def __init__(
+        self, lr_control: LRControl, target: int = 1, lr_rule: str = BatchWarmupConfig.lr_rule, enabled: bool = True
+    ):
         super().__init__(enabled)
         self.lr_control = lr_control
         self.target = max(1, int(target))

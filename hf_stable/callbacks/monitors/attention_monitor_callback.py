@@ -17,10 +17,10 @@ from __future__ import annotations
 from hf_stable.attention.probe import LogitProbe, get_probe
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.compat import attn_implementation
-from hf_stable.config.attention import AttentionConfig
+from hf_stable.config.attention import ATTN_IMPLEMENTATION, AttentionConfig
 from hf_stable.config.fields import config_from
 
-IMPLEMENTATION = "hf_stable"
+IMPLEMENTATION = ATTN_IMPLEMENTATION  # the name the builder and QK-clip check the model for
 
 
 def sample_step(step: int, interval: int) -> bool:
