@@ -95,7 +95,7 @@ def test_every_module_imports_first_without_a_cycle():
     stmts = {m: _import_statements(p, m) for m, p in mods.items()}
     problems: set[str] = set()
 
-    for entry in sorted(mods):
+    def simulate(entry: str) -> None:
         status: dict[str, str] = {}
 
         def ensure(name: str) -> None:
@@ -117,6 +117,9 @@ def test_every_module_imports_first_without_a_cycle():
             status[m] = "done"
 
         ensure(entry)
+
+    for entry in sorted(mods):
+        simulate(entry)
     assert not problems, "\n".join(sorted(problems)[:10])
 
 
