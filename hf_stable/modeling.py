@@ -42,7 +42,7 @@ def tokenizer_path(cfg: ModelConfig, base: str) -> str:
     if cfg.tokenizer:
         return cfg.tokenizer
     # Embedded bases keep the tokenizer in its own dir: AutoTokenizer on a Qwen2 model dir would pick
-    # Qwen2Tokenizer and change the digit tokenisation (STACK-FACTS).
+    # Qwen2Tokenizer and change the digit tokenisation.
     sub = Path(base) / "tokenizer"
     return str(sub) if sub.is_dir() else base
 

@@ -1,37 +1,17 @@
 """`SkipGuard`: skip an optimizer step whose gradients or loss are non-finite, or a spike — on every rank together.
 
-Judged in `on_pre_optimizer_step` from the shared `GradStats` report (pre-clip norms: the recipe sets
-`max_grad_norm=0`; the per-step loss comes from `StepTap`, summed over ranks in the same transfer). The verdict
-flags are max-reduced over ranks (one small collective every step, on every rank), so a NaN seen by one rank
-skips the step everywhere and the ranks never diverge or wait on each other.
+Judged in `on_pre_optimizer_step` from the shared `GradStats` report (pre-clip norms; the per-step loss from
+`StepTap`); the verdict flags are max-reduced over ranks every step, so one rank's NaN skips the step everywhere.
+Skipping is `p.grad = None` (the optimizer then leaves the parameter and its state alone; zeroing would not).
+The step still counts: `global_step`, the data and the LR schedule advance as usual
+(`tests/test_guards_trainer.py` checks the schedule).
 
-Skipping = `p.grad = None` for every trainable parameter: the optimizer leaves such parameters and their state
-untouched (no moment update, no weight decay); zeroing would still move them.
-
-The LR schedule and skipped steps: the step still counts — `global_step` advances, a batch was consumed, and
-the scheduler steps as usual (`lr_scheduler.step()` runs after our hook). So the schedule stays aligned with
-`global_step`/`max_steps` and a run with skips ends on the same final LR; the cost is that a skipped step's
-share of the schedule is not trained. (Under fp16 the grad scaler's own inf-skip also holds the scheduler back:
-accelerate's `optimizer_step_was_skipped`.) `tests/test_guards_trainer.py` checks the schedule on a skipped step.
-
-Rules: non-finite gradients or loss; gradients that differ between ranks (under DDP they are identical after the
-all-reduce, so one rank's were changed afterwards - a fault or a callback on that rank: applying them would make
-the replicas different models, `rank_mismatch`); a grad-norm spike (x `grad_spike_ratio` over its EMA); a loss spike (robust
-z-score over a window *and* a relative margin over its median, so a noisy-but-healthy loss is not a spike); a
-loss rise (a fast EMA of the loss, which follows a divergence step by step, sits `loss_rise_rel` above the recent
-best of a smoothed loss). A rise is not one bad batch but a run going wrong: its steps count as bad steps for
-`RollbackGuard`, which restores the weights from before the rise.
-
-Calibration of the loss rules: healthy multi-epoch fine-tuning of the embedded bases (4 epochs, 16-sample batches,
-logged every step) reached 1.57x the window median on a good batch and a fast-EMA rise of 1.27x over the recent
-best; garbage batches sit at 3x and more, and a divergence passes 1.5x within a few steps. Hence the defaults: a
-spike must be at least 2x the median (`loss_spike_min_rel=1.0`) and a rise 1.5x (`loss_rise_rel=0.5`); at 1.5x
-and 1.2x the 4-epoch tiny-qwen3 run skipped 8 healthy steps and rolled back once.
-
-Spike references (an EMA of the grad norm, a window of losses for a robust z-score) learn from accepted steps
-only, so a run of spikes cannot drag the bar up. A level that persists for `max_consecutive_skips` steps is
-taken as the new normal (the references restart from it) rather than skipped forever; usually `RollbackGuard`
-acts long before that, restoring the weights and the references of its snapshot.
+Rules: non-finite gradients or loss; gradients that differ between ranks after the all-reduce (`rank_mismatch`);
+a grad-norm spike (x `grad_spike_ratio` over its EMA); a loss spike (robust z-score *and* a relative margin over
+the window median); a loss rise (a fast loss EMA `loss_rise_rel` above the recent best of a smoothed loss), whose
+steps count as bad steps for `RollbackGuard`. The loss defaults come from healthy 4-epoch runs of the embedded
+bases (good batches up to 1.57x the median, a 1.27x rise; garbage at 3x and more). References learn from
+accepted steps only; a level that persists `max_consecutive_skips` steps becomes the new normal.
 """
 
 from __future__ import annotations
