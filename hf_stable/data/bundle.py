@@ -15,6 +15,7 @@ from typing import Any
 
 from hf_stable.data.audit import packing_row_tokens, summarize
 from hf_stable.data.collators import PackingCollator, PaddingCollator
+from hf_stable.data.identity import RecordTable, exclude_records, read_exclusions
 from hf_stable.data.prompts import eos_id, resolve_template
 from hf_stable.data.records import read_records
 from hf_stable.data.samples import encode_records
@@ -41,6 +42,8 @@ class DataBundle:
         stats: ``{"train": {...}, "eval": {...}}`` counts read / cleaned / kept / dropped by reason.
         template: the prompt template in use (``"chat_template"`` or ``"alpaca"``).
         format: the record format of the train file (``"alpaca"`` or ``"chat"``).
+        records: the train file's `RecordTable` (``record_id`` -> file:line, hash, preview); the train dataset
+            carries a ``record_id`` column and the train collator puts ``record_ids`` into every batch.
     """
 
     train_dataset: Any
@@ -52,6 +55,7 @@ class DataBundle:
     stats: dict = field(default_factory=dict)
     template: str = "alpaca"
     format: str = "alpaca"
+    records: RecordTable = field(default_factory=RecordTable)
 
 
 def _stats(read, enc) -> dict:
@@ -103,10 +107,18 @@ def build_data(
     eos = eos_id(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
-    def load(path: str, config_field: str):
+    exclusions = read_exclusions(getattr(cfg, "exclude_file", None))
+
+    def load(path: str, config_field: str, train: bool = False):
         read = read_records(
             path, config_field=config_field, format=cfg.format, on_bad_record=cfg.on_bad_record, clean=cfg.clean
         )
+        if train:
+            n_excluded = exclude_records(read, exclusions)
+            if n_excluded:
+                logger.info("data.exclude_file: %d records of %s left out", n_excluded, path)
+            if not read.records:
+                raise DataError(f"data.exclude_file excludes every record of {path}; nothing left to train on")
         samples, enc = encode_records(
             tokenizer, read.records, max_length=cfg.max_length, template=template, vocab_size=vocab_size
         )
@@ -121,12 +133,12 @@ def build_data(
                 read, samples, enc, cfg, eos_token_id=eos, batch_size=batch_size, seed=seed, template=template,
                 path=str(path),
             )
-        ds = Dataset.from_dict(
-            {"input_ids": [s["input_ids"] for s in samples], "labels": [s["labels"] for s in samples]}
-        )
-        return read, enc, ds, audit
+        columns = {"input_ids": [s["input_ids"] for s in samples], "labels": [s["labels"] for s in samples]}
+        if train:
+            columns["record_id"] = [s["record_id"] for s in samples]
+        return read, enc, Dataset.from_dict(columns), audit
 
-    train_read, train_enc, train_ds, train_audit = load(cfg.train_file, "data.train_file")
+    train_read, train_enc, train_ds, train_audit = load(cfg.train_file, "data.train_file", train=True)
     stats = {"train": _stats(train_read, train_enc), "eval": None}
     audit: dict = {"train": train_audit, "eval": None} if cfg.audit else {}
     eval_ds, eval_records = None, []
@@ -146,9 +158,11 @@ def build_data(
         (out / AUDIT_FILE).write_text(json.dumps(audit, indent=2, ensure_ascii=False), encoding="utf-8")
 
     if cfg.packing:
-        collator = PackingCollator(pad, cfg.pad_to_multiple_of, max_row_tokens=packing_row_tokens(cfg))
+        collator = PackingCollator(
+            pad, cfg.pad_to_multiple_of, max_row_tokens=packing_row_tokens(cfg), return_record_ids=True
+        )
     else:
-        collator = PaddingCollator(pad, cfg.pad_to_multiple_of)
+        collator = PaddingCollator(pad, cfg.pad_to_multiple_of, return_record_ids=True)
     return DataBundle(
         train_dataset=train_ds,
         eval_dataset=eval_ds,
@@ -159,4 +173,5 @@ def build_data(
         stats=stats,
         template=template,
         format=train_read.format,
+        records=RecordTable.from_records(train_read.records),
     )
