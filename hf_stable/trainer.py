@@ -17,7 +17,8 @@ methods behind that (`_clip_grad_norm`, `_get_grad_norm`) so that:
   (`hf_stable.callbacks.order_for_reporting`, which the stock Trainer needs called by hand);
 * the batch's ``record_ids`` (which training record each row / packed segment is, see `hf_stable.data.identity`)
   are taken out of the inputs before the forward - the model never sees them - and handed to the `StepTap`,
-  which keeps them with the micro-batch for the spike forensics;
+  which keeps them with the micro-batch for the spike forensics; the train sampler skips quarantined records
+  (`hf_stable.forensics.quarantine`, only with an ``auto`` `SpikeForensics` among the callbacks);
 * a non-finite norm leaves the gradients as they are. The stock clip multiplies every gradient by
   `max_norm / NaN` = NaN, which hides which parameter went bad (the non-finite locator then needs a re-run);
   the skip guard drops such a step either way, and without guards the run is broken either way.
@@ -40,6 +41,7 @@ from hf_stable.callbacks.grad_stats import GradStats
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.callbacks.step_tap import RECORD_IDS_KEY, StepTap
 from hf_stable.distributed import sharded_training
+from hf_stable.forensics.quarantine import wrap_train_sampler
 
 
 class StableTrainer(Trainer):
@@ -88,6 +90,10 @@ class StableTrainer(Trainer):
                 for device, grads in by_device.items():
                     torch._foreach_mul_(grads, coef.to(device))
         return dev.global_norm
+
+    def _get_train_sampler(self, train_dataset=None):
+        sampler = super()._get_train_sampler(train_dataset)
+        return wrap_train_sampler(self, sampler, train_dataset if train_dataset is not None else self.train_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         record_ids = inputs.pop(RECORD_IDS_KEY, None) if isinstance(inputs, dict) else None

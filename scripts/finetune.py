@@ -18,6 +18,7 @@ from transformers import PrinterCallback, ProgressCallback, set_seed  # noqa: E4
 
 from hf_stable.callbacks import build_callbacks  # noqa: E402
 from hf_stable.callbacks.console import CompactPrinter  # noqa: E402
+from hf_stable.callbacks.forensics import build_forensics  # noqa: E402
 from hf_stable.callbacks.guards import guard_training_overrides, wrap_for_phases  # noqa: E402
 from hf_stable.callbacks.preemption import exit_if_preempted  # noqa: E402
 from hf_stable.checkpoints import resolve_resume, runtime_callbacks  # noqa: E402
@@ -89,6 +90,7 @@ def main(argv: list[str]) -> None:
 
         # 4. stability callbacks and the Trainer (its grad norm comes from the monitors' one pass over the gradients)
         callbacks = build_callbacks(cfg, args) + runtime_callbacks(cfg.runtime)
+        callbacks += build_forensics(cfg.data, data.records, callbacks)  # bad steps -> culprit records, quarantine
         trainer = StableTrainer(
             model=model,
             args=args,

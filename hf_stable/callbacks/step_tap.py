@@ -65,6 +65,7 @@ class StepTap:
         self._den = 0.0
         self.n_losses = 0
         self._stats = None  # the model's GradStats, which transfers our loss sums
+        self._output_listeners: list = []
 
     @classmethod
     def shared(cls, model: torch.nn.Module) -> StepTap:
@@ -123,6 +124,12 @@ class StepTap:
         with self.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
             yield
 
+    def add_output_listener(self, fn) -> None:
+        """`fn(kwargs, output, record_ids)` after every recorded training forward (e.g. per-sample screening, which
+        reads the logits the forward produced); registering the same function twice has no effect."""
+        if fn not in self._output_listeners:
+            self._output_listeners.append(fn)
+
     def note_record_ids(self, record_ids: torch.Tensor | None) -> None:
         """The record ids of the micro-batch about to be forwarded (kept with its inputs by the next forward)."""
         self._pending_ids = record_ids
@@ -146,6 +153,8 @@ class StepTap:
     def _post_hook(self, module, args, kwargs, output):
         if not self._recording(module):
             return None
+        for fn in self._output_listeners:
+            fn(kwargs, output, self.record_ids[-1] if self.record_ids else None)
         loss = _loss_of(output)
         if loss is None:
             return None
