@@ -1,10 +1,5 @@
-"""Spike forensics and quarantine with a real tiny Trainer (issue 16, parts 3-4).
-
-The poison is data-driven and reproducible: a forward hook on the LM head multiplies (or NaNs) the logits at the
-positions whose input token is `MAGIC`, and only the poisoned record holds that token. So the record's own loss is
-huge (or NaN), the step is skipped by the skip guard, and a re-run of the batch reproduces it - as a garbage record
-would.
-"""
+"""Spike forensics and quarantine with a real tiny Trainer (issue 16, parts 3-4); the poisoned run is built by
+`tests/dist_scripts/forensics_run.py` (a data-driven, reproducible poison: see there)."""
 
 from __future__ import annotations
 
@@ -17,72 +12,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import tiny_lora_llama, training_args  # noqa: E402
+from forensics_run import build, position_of  # noqa: E402
 
-from hf_stable.callbacks.forensics import ForensicsConfig, SpikeForensics  # noqa: E402
-from hf_stable.callbacks.guards import SkipGuard  # noqa: E402
-from hf_stable.data.collators import PackingCollator, PaddingCollator  # noqa: E402
-from hf_stable.data.identity import RecordInfo, RecordTable  # noqa: E402
 from hf_stable.forensics.quarantine import read_quarantine  # noqa: E402
-from hf_stable.trainer import StableTrainer  # noqa: E402
-
-MAGIC = 127
-N, BATCH, SEED = 32, 4, 0
 
 
-def _rows(poison_index: int):
-    g = torch.Generator().manual_seed(5)
-    rows = []
-    for k in range(N):
-        length = int(torch.randint(8, 14, (1,), generator=g))
-        start = int(torch.randint(0, 120, (1,), generator=g))
-        ids = ((start + torch.arange(length)) % 120).tolist()
-        if k == poison_index:
-            ids = [ids[0]] + [MAGIC] * (length - 1)
-        rows.append({"input_ids": ids, "labels": [-100, -100] + ids[2:], "record_id": k})
-    return rows
 
-
-def _position_of(step: int, slot: int = 1) -> int:
-    """The dataset index the quarantine sampler yields at `slot` of 1-based `step` in epoch 0."""
-    perm = torch.randperm(N, generator=torch.Generator().manual_seed(SEED)).tolist()
-    return perm[(step - 1) * BATCH + slot]
-
-
-def poison(model, factor: float):
-    seen = {}
-    model.register_forward_pre_hook(lambda m, a, kw: seen.update(ids=kw.get("input_ids")), with_kwargs=True)
-
-    def hook(module, args, out):
-        ids = seen.get("ids")
-        if ids is None or ids.shape != out.shape[:-1]:
-            return out
-        hit = (ids == MAGIC)[..., None]
-        bad = out * factor if math.isfinite(factor) else torch.full_like(out, factor)
-        return torch.where(hit, bad, out)
-
-    model.base_model.model.lm_head.register_forward_hook(hook)
-
-
-def _table():
-    return RecordTable([RecordInfo(f"train.jsonl:{k + 1}", f"h{k:02d}", f"row {k}") for k in range(N)])
-
-
-def _run(tmp_path, packing, factor, mode="auto", steps=16, poison_step=6, **kw):
-    from datasets import Dataset
-
-    idx = _position_of(poison_step)
-    ds = Dataset.from_list(_rows(idx))
-    collator = (PackingCollator(0, max_row_tokens=28, return_record_ids=True) if packing
-                else PaddingCollator(0, return_record_ids=True))
-    model = tiny_lora_llama()
-    poison(model, factor)
-    skip = SkipGuard(window=20, warmup_steps=3)
-    forensics = SpikeForensics(ForensicsConfig(quarantine=mode, **kw), _table()).attach([skip])
-    args = training_args(tmp_path, max_steps=steps, per_device_train_batch_size=BATCH, remove_unused_columns=False,
-                         learning_rate=1e-3)
-    trainer = StableTrainer(model=model, args=args, train_dataset=ds, data_collator=collator,
-                            callbacks=[skip, forensics])
+def _run(tmp_path, packing, factor, mode="auto"):
+    idx = position_of(6)
+    trainer, skip, forensics = build(tmp_path, packing=packing, factor=factor, mode=mode, poison_index=idx)
     trainer.train()
     return trainer, skip, forensics, idx
 
@@ -111,3 +49,57 @@ def test_report_mode_writes_the_file_but_keeps_training_on_it(tmp_path):
     assert [e["where"] for e in read_quarantine(tmp_path)] == [f"train.jsonl:{idx + 1}"]
     assert len(skip.skipped_steps) == 2  # seen again in epoch 2 (and skipped again), no second entry
     assert forensics.sampler is None
+
+
+SCRIPT = Path(__file__).parent / "dist_scripts" / "forensics_run.py"
+
+
+def _script(out, *args, check=True):
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _result(out, r=0):
+    return json.loads((Path(out) / f"result_rank{r}.json").read_text()), torch.load(Path(out) / f"lora_rank{r}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill9_and_resume_with_a_quarantine_equals_the_uninterrupted_run(tmp_path):
+    """The record is quarantined at step 3 mid-epoch; the run is killed (SIGKILL) after checkpoint-6 and resumed:
+    the regenerated epoch permutation must skip exactly the 6 consumed batches, so the filter applies only from the
+    position the record was named at - a whole-permutation filter would shift every later batch."""
+    import signal
+
+    idx = position_of(3)
+    _script(tmp_path / "base", "--poison-index", idx)
+    killed = _script(tmp_path / "run", "--poison-index", idx, "--kill-at", 6, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    _script(tmp_path / "run", "--poison-index", idx, "--resume")
+    (base, w_base), (run, w_run) = _result(tmp_path / "base"), _result(tmp_path / "run")
+    assert run["resumed_from"].endswith("checkpoint-6") and run["global_step"] == base["global_step"] == 16
+    assert base["skipped"] == run["skipped"] == [3]  # never sampled again, in either run
+    assert [e["where"] for e in base["quarantine"]["entries"]] == [f"train.jsonl:{idx + 1}"]
+    assert run["quarantine"] == base["quarantine"]  # the same entry, the same sampler position, from the checkpoint
+    assert w_base.keys() == w_run.keys() and all(torch.equal(w_base[k], w_run[k]) for k in w_base)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_two_ranks_name_the_same_culprit_and_stay_identical(tmp_path):
+    from dist_scripts.harness import torchrun_two_ranks
+
+    idx = position_of(6)  # some step of one rank's shard; which rank holds it does not matter
+    torchrun_two_ranks(SCRIPT, str(tmp_path), "--poison-index", str(idx), "--steps", "8", "--save-steps", "100",
+                       "--packing", timeout=280)
+    (r0, w0), (r1, w1) = _result(tmp_path, 0), _result(tmp_path, 1)
+    assert r0["quarantine"] == r1["quarantine"] and r0["skipped"] == r1["skipped"] and len(r0["skipped"]) == 1
+    assert [e["where"] for e in r0["quarantine"]["entries"]] == [f"train.jsonl:{idx + 1}"]
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
