@@ -44,6 +44,17 @@ def test_bad_step_names_the_poisoned_line_and_it_is_never_sampled_again(tmp_path
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+def test_report_and_card_show_the_suspect_data_table_and_plot(tmp_path):
+    from hf_stable.reporting.report import write_report
+
+    _, _, _, idx = _run(tmp_path, True, 60.0)
+    text = write_report(tmp_path).read_text()
+    section = text.split("### Suspect data", 1)[1]
+    row = next(line for line in section.splitlines() if f"train.jsonl:{idx + 1}" in line)
+    assert "loss_outlier" in row and "z " in row and f"row {idx}" in row
+    assert (tmp_path / "report" / "bad_step_samples.png").stat().st_size > 1000
+
+
 def test_report_mode_writes_the_file_but_keeps_training_on_it(tmp_path):
     trainer, skip, forensics, idx = _run(tmp_path, False, float("nan"), mode="report")
     assert [e["where"] for e in read_quarantine(tmp_path)] == [f"train.jsonl:{idx + 1}"]

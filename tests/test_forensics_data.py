@@ -153,3 +153,16 @@ def test_per_sample_loss_equals_each_sample_alone(packing):
             want = _alone(model, f["input_ids"], f["labels"])
             assert n == sum(1 for x in f["labels"][1:] if x != -100)
             assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_audit_exclude_leaves_the_quarantined_records_out(tmp_path, tokenizer):
+    from hf_stable.data.audit import audit_dataset, main
+
+    train = _write(tmp_path / "train.jsonl", ROWS)
+    q = tmp_path / "quarantine.jsonl"
+    q.write_text(json.dumps({"where": f"{train}:2", "hash": record_hash(ROWS[1]), "step": 4}) + "\n")
+    audit = audit_dataset(train, tokenizer, exclude=str(q))
+    assert audit["n_kept"] == 11 and audit["dropped_reasons"] == {"excluded": 1}
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    assert main([train, "--tokenizer", str(tok_dir), "--exclude", str(q), "--json"]) == 0
