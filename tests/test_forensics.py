@@ -55,6 +55,31 @@ def test_report_and_card_show_the_suspect_data_table_and_plot(tmp_path):
     assert (tmp_path / "report" / "bad_step_samples.png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("poisoned", [True, False])
+def test_screening_catches_a_record_too_mild_to_flag_its_step_and_nothing_on_clean_data(tmp_path, poisoned):
+    idx = position_of(5)
+    trainer, skip, forensics = build(tmp_path, factor=40.0, poison_index=idx if poisoned else -1, grad_free=True,
+                                     forensics_kw={"screen": True, "screen_every": 4})
+    trainer.train()
+    assert skip.skipped_steps == []  # the batch loss never looked bad
+    entries = read_quarantine(tmp_path)
+    if not poisoned:
+        assert entries == [] and len(forensics.state_dict()["reference"]) == 64  # 16 steps x 4 healthy samples
+        return
+    assert [(e["where"], e["reason"], e["step"]) for e in entries] == [(f"train.jsonl:{idx + 1}", "screen_outlier", 5)]
+    assert entries[0]["evidence"]["loss"] > 2 * entries[0]["evidence"]["reference_median"]
+
+
+def test_a_gradient_spike_with_normal_losses_is_attributed_by_per_sample_gradient_norm(tmp_path):
+    idx = position_of(5)
+    trainer, skip, forensics = build(tmp_path, factor=25.0, poison_index=idx)
+    trainer.train()
+    assert skip.skipped_steps == [5]
+    (e,) = read_quarantine(tmp_path)
+    assert (e["where"], e["reason"], e["step"]) == (f"train.jsonl:{idx + 1}", "grad_outlier", 5)
+    assert e["evidence"]["grad_norm"] > 5 and e["evidence"]["loss"] < 2 * e["evidence"]["reference_median"]
+
+
 def test_report_mode_writes_the_file_but_keeps_training_on_it(tmp_path):
     trainer, skip, forensics, idx = _run(tmp_path, False, float("nan"), mode="report")
     assert [e["where"] for e in read_quarantine(tmp_path)] == [f"train.jsonl:{idx + 1}"]

@@ -33,8 +33,10 @@ from hf_stable.forensics.attribution import (
     SampleRow,
     culprit_grad_norms,
     gather_rows,
+    grad_outliers,
     judge,
     local_sample_losses,
+    sample_grad_norms,
 )
 from hf_stable.forensics.quarantine import Entry, Quarantine
 from hf_stable.forensics.sample_loss import per_sample_loss
@@ -57,6 +59,9 @@ class ForensicsConfig:
     min_rel: float = field(default=1.0, metadata={"help": "... and its loss this fraction above the median."})
     max_culprits: int = field(default=4, metadata={"help": "At most this many culprits per bad step (highest z)."})
     grad_norms: bool = field(default=True, metadata={"help": "Per-sample gradient norm of each culprit (re-run)."})
+    max_grad_samples: int = field(
+        default=64, metadata={"help": "A gradient spike with no loss outlier: re-run up to this many samples alone."}
+    )
     window: int = field(default=2048, metadata={"help": "Healthy per-sample losses kept as the reference."})
     min_reference: int = field(
         default=64, metadata={"help": "Healthy per-sample losses needed before they are the reference."}
@@ -201,13 +206,21 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         rows = gather_rows(local)
         reference = list(self._reference) if len(self._reference) >= self.cfg.min_reference else None
         culprits, suspects, med = judge(rows, reference, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel)
-        culprits = sorted(culprits, key=lambda c: -c.row.z)[: self.cfg.max_culprits]
-        culprits = [c for c in culprits if c.row.record_id not in self.quarantine]
-        if self.cfg.grad_norms and culprits and self._optimizer is not None:
+        params = None
+        if self._optimizer is not None:
             from hf_stable.callbacks.guards.snapshot import optimizer_params
 
-            culprit_grad_norms(self._model, optimizer_params(self._optimizer), self._tap, located, culprits,
-                               self._args)
+            params = optimizer_params(self._optimizer)
+        by_grad = (not culprits and params is not None and {"grad_spike", "nonfinite"} & set(step_reasons)
+                   and 0 < len(rows) <= self.cfg.max_grad_samples)  # agreed: the gathered table and the verdict
+        if by_grad:
+            live = [r for r in rows if r.tokens > 0]
+            norms = sample_grad_norms(self._model, params, self._tap, located, live, self._args)
+            culprits = grad_outliers(live, norms, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel)
+        culprits = sorted(culprits, key=lambda c: -c.row.z)[: self.cfg.max_culprits]
+        culprits = [c for c in culprits if c.row.record_id not in self.quarantine]
+        if self.cfg.grad_norms and culprits and params is not None and not by_grad:
+            culprit_grad_norms(self._model, params, self._tap, located, culprits, self._args)
         top = sorted((r for r in rows if r.tokens > 0), key=lambda r: -r.loss if math.isfinite(r.loss) else -math.inf)
         self.event(step, "step_forensics",
                    f"step {step} ({', '.join(step_reasons)}): {len(rows)} samples re-run, median loss {med:.4g}; "

@@ -16,6 +16,8 @@ A sample is a culprit when
 
 The per-sample gradient norm of each culprit (trainable parameters, the sample alone, ``torch.autograd.grad``)
 is the evidence of its pull on the update; it is computed by the rank that holds the sample and summed over ranks.
+A gradient spike (or non-finite gradient) whose samples' losses all look normal is attributed by the same
+per-sample gradient norms, for every sample of the step (``grad_outlier``; bounded by `max_grad_samples`).
 """
 
 from __future__ import annotations
@@ -159,19 +161,35 @@ def single_sample_inputs(call_kwargs: dict, segment: int) -> dict | None:
     return kw
 
 
-def culprit_grad_norms(model, params, tap: StepTap, located: dict, culprits: list[Culprit], args=None) -> None:
-    """Fill `grad_norm` of every culprit: the rank holding it re-runs the sample alone; a sum over ranks (every
-    rank enters; the culprit list is agreed). `located`: record id -> (micro-batch, segment) on this rank."""
-    if not culprits:
-        return
+def grad_outliers(rows: list[SampleRow], norms: list[float], *, zscore: float, min_rel: float) -> list[Culprit]:
+    """Culprits by per-sample gradient norm (a gradient spike whose batch loss looked normal): a robust outlier over
+    the step's own samples, ``min_rel`` above their median; a non-finite norm among finite ones."""
+    med, scale = robust_stats(norms)
+    finite = sum(1 for n in norms if math.isfinite(n))
+    out = []
+    for r, n in zip(rows, norms):
+        if not math.isfinite(n):
+            if finite * 2 > len(norms):
+                out.append(Culprit(r, "nonfinite_grad", n))
+            continue
+        z = (n - med) / scale if math.isfinite(med) else math.nan
+        if z > zscore and n > med * (1 + min_rel):
+            r.z = max(r.z, z) if math.isfinite(r.z) else z
+            out.append(Culprit(r, "grad_outlier", n))
+    return out
+
+
+def sample_grad_norms(model, params, tap: StepTap, located: dict, rows: list[SampleRow], args=None) -> list[float]:
+    """Gradient L2 norm of each of `rows`, the sample alone: the rank holding it re-runs it, a sum over ranks (every
+    rank enters; `rows` is the agreed table). `located`: record id -> (micro-batch, segment) on this rank."""
     device = params[0].device if params else torch.device("cpu")
-    norms = torch.zeros(len(culprits), dtype=torch.float64, device=device)
+    norms = torch.zeros(len(rows), dtype=torch.float64, device=device)
     me = rank()
     with tap.replaying():
-        for k, c in enumerate(culprits):
-            if c.row.rank != me or c.row.record_id not in located:
+        for k, row in enumerate(rows):
+            if row.rank != me or row.record_id not in located:
                 continue
-            mb, seg = located[c.row.record_id]
+            mb, seg = located[row.record_id]
             kw = single_sample_inputs(tap.inputs[mb][1], seg)
             if kw is None:
                 continue
@@ -182,6 +200,13 @@ def culprit_grad_norms(model, params, tap: StepTap, located: dict, culprits: lis
             if grads is not None:
                 sq = sum(float(n.double().square()) for n in torch._foreach_norm(grads, 2.0))
                 norms[k] = math.sqrt(sq) if math.isfinite(sq) else math.inf
-    norms = all_reduce_tensor(norms, "sum")
-    for c, n in zip(culprits, norms.tolist()):
+    return all_reduce_tensor(norms, "sum").tolist()
+
+
+def culprit_grad_norms(model, params, tap: StepTap, located: dict, culprits: list[Culprit], args=None) -> None:
+    """Fill `grad_norm` of every culprit (see `sample_grad_norms`)."""
+    if not culprits:
+        return
+    norms = sample_grad_norms(model, params, tap, located, [c.row for c in culprits], args)
+    for c, n in zip(culprits, norms):
         c.grad_norm = n

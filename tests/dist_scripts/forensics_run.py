@@ -55,7 +55,9 @@ def position_of(step: int, slot: int = 1, world: int = 1) -> int:
     return perm[(step - 1) * BATCH * world + slot]
 
 
-def poison(model, factor: float) -> None:
+def poison(model, factor: float, grad_free: bool = False) -> None:
+    """`grad_free`: the loss sees the scaled logits, the gradient the unscaled ones (a high loss without a gradient
+    spike: too mild for the skip guard, a case for screening)."""
     seen = {}
     model.register_forward_pre_hook(lambda m, a, kw: seen.update(ids=kw.get("input_ids")), with_kwargs=True)
 
@@ -64,7 +66,10 @@ def poison(model, factor: float) -> None:
         if ids is None or ids.shape != out.shape[:-1]:
             return out
         hit = (ids == MAGIC)[..., None]
-        bad = out * factor if math.isfinite(factor) else torch.full_like(out, factor)
+        if grad_free:
+            bad = out + out.detach() * (factor - 1)
+        else:
+            bad = out * factor if math.isfinite(factor) else torch.full_like(out, factor)
         return torch.where(hit, bad, out)
 
     model.base_model.model.lm_head.register_forward_hook(hook)
@@ -86,7 +91,7 @@ class KillAfterSave(TrainerCallback):
 
 
 def build(out, *, packing=False, factor=float("nan"), mode="auto", steps=16, poison_index=None, callbacks=(),
-          **train_kw):
+          forensics_kw=None, grad_free=False, **train_kw):
     """(trainer, skip guard, forensics) of the poisoned run."""
     from datasets import Dataset
 
@@ -95,9 +100,9 @@ def build(out, *, packing=False, factor=float("nan"), mode="auto", steps=16, poi
     collator = (PackingCollator(0, max_row_tokens=28, return_record_ids=True) if packing
                 else PaddingCollator(0, return_record_ids=True))
     model = tiny_lora_llama()
-    poison(model, factor)
+    poison(model, factor, grad_free)
     skip = SkipGuard(window=20, warmup_steps=3)
-    forensics = SpikeForensics(ForensicsConfig(quarantine=mode), table()).attach([skip])
+    forensics = SpikeForensics(ForensicsConfig(quarantine=mode, **(forensics_kw or {})), table()).attach([skip])
     args = training_args(out, max_steps=steps, per_device_train_batch_size=BATCH, remove_unused_columns=False,
                          learning_rate=1e-3, **train_kw)
     trainer = StableTrainer(model=model, args=args, train_dataset=ds, data_collator=collator,
