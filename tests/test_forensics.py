@@ -80,6 +80,23 @@ def test_a_gradient_spike_with_normal_losses_is_attributed_by_per_sample_gradien
     assert e["evidence"]["grad_norm"] > 5 and e["evidence"]["loss"] < 2 * e["evidence"]["reference_median"]
 
 
+def test_with_the_rollback_snapshot_the_culprit_is_bad_at_the_snapshot_weights_too(tmp_path):
+    """The recipe's guards (skip, rollback with its snapshot, clipping): the culprit's loss is re-run at the
+    snapshot's weights too, and is an outlier there as well - bad data, not damaged weights."""
+    from hf_stable.callbacks.guards import build_guards
+    from hf_stable.config.guards import GuardsConfig
+
+    cfg = GuardsConfig()
+    cfg.skip.warmup_steps = 3
+    idx = position_of(6)
+    trainer, skip, forensics = build(tmp_path, factor=60.0, poison_index=idx, guards=build_guards(cfg))
+    trainer.train()
+    (e,) = read_quarantine(tmp_path)
+    assert (e["where"], e["reason"]) == (f"train.jsonl:{idx + 1}", "loss_outlier")
+    ev = e["evidence"]
+    assert isinstance(ev["loss_at_snapshot"], float) and ev["loss_at_snapshot"] > 2 * ev["reference_median"]
+
+
 def test_report_mode_writes_the_file_but_keeps_training_on_it(tmp_path):
     trainer, skip, forensics, idx = _run(tmp_path, False, float("nan"), mode="report")
     assert [e["where"] for e in read_quarantine(tmp_path)] == [f"train.jsonl:{idx + 1}"]

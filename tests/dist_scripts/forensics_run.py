@@ -91,7 +91,7 @@ class KillAfterSave(TrainerCallback):
 
 
 def build(out, *, packing=False, factor=float("nan"), mode="auto", steps=16, poison_index=None, callbacks=(),
-          forensics_kw=None, grad_free=False, **train_kw):
+          forensics_kw=None, grad_free=False, guards=None, **train_kw):
     """(trainer, skip guard, forensics) of the poisoned run."""
     from datasets import Dataset
 
@@ -101,12 +101,13 @@ def build(out, *, packing=False, factor=float("nan"), mode="auto", steps=16, poi
                 else PaddingCollator(0, return_record_ids=True))
     model = tiny_lora_llama()
     poison(model, factor, grad_free)
-    skip = SkipGuard(window=20, warmup_steps=3)
-    forensics = SpikeForensics(ForensicsConfig(quarantine=mode, **(forensics_kw or {})), table()).attach([skip])
+    guards = guards if guards is not None else [SkipGuard(window=20, warmup_steps=3)]
+    skip = next(g for g in guards if isinstance(g, SkipGuard))
+    forensics = SpikeForensics(ForensicsConfig(quarantine=mode, **(forensics_kw or {})), table()).attach(guards)
     args = training_args(out, max_steps=steps, per_device_train_batch_size=BATCH, remove_unused_columns=False,
                          learning_rate=1e-3, **train_kw)
     trainer = StableTrainer(model=model, args=args, train_dataset=ds, data_collator=collator,
-                            callbacks=[skip, forensics, *callbacks])
+                            callbacks=[*guards, forensics, *callbacks])
     return trainer, skip, forensics
 
 
