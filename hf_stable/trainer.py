@@ -15,7 +15,8 @@ methods behind that (`_clip_grad_norm`, `_get_grad_norm`) so that:
   version counter), so the guards judge the gradients the optimizer applies, not the ones seen here;
 * the reporting integrations (`report_to`) run after the other callbacks, so they log hf_stable's metrics
   (`hf_stable.callbacks.order_for_reporting`, which the stock Trainer needs called by hand);
-* the batch's ``record_ids`` (which training record each row / packed segment is, see `hf_stable.data.identity`)
+* the batch's ``record_ids`` (asked of hf_stable's collators: which training record each row / packed segment
+  is, see `hf_stable.data.identity`)
   are taken out of the inputs before the forward - the model never sees them - and handed to the `StepTap`,
   which keeps them with the micro-batch for the spike forensics; the train sampler skips quarantined records
   (`hf_stable.forensics.quarantine`, only with an ``auto`` `SpikeForensics` among the callbacks);
@@ -52,6 +53,8 @@ class StableTrainer(Trainer):
         order_for_reporting(self)  # reporters (TensorBoard, W&B ...) after the callbacks whose metrics they write
         if self.model is not None:  # tells the monitors their numbers are pre-clip even with max_grad_norm > 0
             GradStats.shared(self.model).pre_clip = True
+        if hasattr(self.data_collator, "return_record_ids"):  # hf_stable's collators: we take them out again
+            self.data_collator.return_record_ids = True
 
     def _reads_gradients(self, model) -> bool:
         from accelerate.utils import DistributedType

@@ -114,7 +114,7 @@ def test_record_ids_reach_the_tap_never_the_forward(tmp_path, packing):
     from datasets import Dataset
 
     ds = Dataset.from_list(rows)
-    collator = PackingCollator(0, return_record_ids=True) if packing else PaddingCollator(0, return_record_ids=True)
+    collator = PackingCollator(0) if packing else PaddingCollator(0)  # StableTrainer asks for the ids
     model = tiny_lora_llama()
     spy = _Spy(model)
     args = training_args(tmp_path, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,

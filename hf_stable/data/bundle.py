@@ -43,7 +43,8 @@ class DataBundle:
         template: the prompt template in use (``"chat_template"`` or ``"alpaca"``).
         format: the record format of the train file (``"alpaca"`` or ``"chat"``).
         records: the train file's `RecordTable` (``record_id`` -> file:line, hash, preview); the train dataset
-            carries a ``record_id`` column and the train collator puts ``record_ids`` into every batch.
+            carries a ``record_id`` column, and `StableTrainer` turns on the collator's ``return_record_ids`` (a
+            stock Trainer would pass them to the model's forward).
     """
 
     train_dataset: Any
@@ -158,11 +159,9 @@ def build_data(
         (out / AUDIT_FILE).write_text(json.dumps(audit, indent=2, ensure_ascii=False), encoding="utf-8")
 
     if cfg.packing:
-        collator = PackingCollator(
-            pad, cfg.pad_to_multiple_of, max_row_tokens=packing_row_tokens(cfg), return_record_ids=True
-        )
+        collator = PackingCollator(pad, cfg.pad_to_multiple_of, max_row_tokens=packing_row_tokens(cfg))
     else:
-        collator = PaddingCollator(pad, cfg.pad_to_multiple_of, return_record_ids=True)
+        collator = PaddingCollator(pad, cfg.pad_to_multiple_of)
     return DataBundle(
         train_dataset=train_ds,
         eval_dataset=eval_ds,
