@@ -36,7 +36,7 @@ def test_bad_step_names_the_poisoned_line_and_it_is_never_sampled_again(tmp_path
     assert e["step"] == 6 and e["reason"] == ("nonfinite_loss" if math.isnan(factor) else "loss_outlier")
     assert e["hash"] == f"h{idx:02d}" and e["preview"] == f"row {idx}"
     if not math.isnan(factor):
-        assert e["evidence"]["z"] > 4 and e["evidence"]["loss"] > 2 * e["evidence"]["reference_median"]
+        assert e["evidence"]["z"] > 4 and e["evidence"]["loss"] > 2 * e["evidence"]["step_median"]
         assert e["evidence"]["grad_norm"] > 0
     kinds = [ev["kind"] for ev in forensics.events]
     assert kinds.count("samples_quarantined") == 1 and "step_forensics" in kinds
@@ -67,7 +67,7 @@ def test_screening_catches_a_record_too_mild_to_flag_its_step_and_nothing_on_cle
         assert entries == [] and len(forensics.state_dict()["reference"]) == 64  # 16 steps x 4 healthy samples
         return
     assert [(e["where"], e["reason"], e["step"]) for e in entries] == [(f"train.jsonl:{idx + 1}", "screen_outlier", 5)]
-    assert entries[0]["evidence"]["loss"] > 2 * entries[0]["evidence"]["reference_median"]
+    assert entries[0]["evidence"]["loss"] > 2 * entries[0]["evidence"]["step_median"]
 
 
 def test_a_gradient_spike_with_normal_losses_is_attributed_by_per_sample_gradient_norm(tmp_path):
@@ -77,7 +77,7 @@ def test_a_gradient_spike_with_normal_losses_is_attributed_by_per_sample_gradien
     assert skip.skipped_steps == [5]
     (e,) = read_quarantine(tmp_path)
     assert (e["where"], e["reason"], e["step"]) == (f"train.jsonl:{idx + 1}", "grad_outlier", 5)
-    assert e["evidence"]["grad_norm"] > 5 and e["evidence"]["loss"] < 2 * e["evidence"]["reference_median"]
+    assert e["evidence"]["grad_norm"] > 5 and e["evidence"]["loss"] < 2 * e["evidence"]["step_median"]
 
 
 def test_with_the_rollback_snapshot_the_culprit_is_bad_at_the_snapshot_weights_too(tmp_path):
@@ -94,7 +94,7 @@ def test_with_the_rollback_snapshot_the_culprit_is_bad_at_the_snapshot_weights_t
     (e,) = read_quarantine(tmp_path)
     assert (e["where"], e["reason"]) == (f"train.jsonl:{idx + 1}", "loss_outlier")
     ev = e["evidence"]
-    assert isinstance(ev["loss_at_snapshot"], float) and ev["loss_at_snapshot"] > 2 * ev["reference_median"]
+    assert isinstance(ev["loss_at_snapshot"], float) and ev["loss_at_snapshot"] > 2 * ev["step_median"]
 
 
 def test_report_mode_writes_the_file_but_keeps_training_on_it(tmp_path):

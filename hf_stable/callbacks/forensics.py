@@ -36,6 +36,7 @@ from hf_stable.forensics.attribution import (
     grad_outliers,
     judge,
     local_sample_losses,
+    ratios,
     sample_grad_norms,
 )
 from hf_stable.forensics.quarantine import Entry, Quarantine
@@ -55,14 +56,16 @@ class ForensicsConfig:
         default="auto", metadata={"help": "auto: never sample culprits again; report: file only; off: nothing."}
     )
     screen: bool = field(default=False, metadata={"help": "Screen every step's per-sample losses for outliers."})
-    zscore: float = field(default=4.0, metadata={"help": "A culprit's robust z over the reference is above this..."})
+    zscore: float = field(default=5.0, metadata={"help": "A culprit's robust z over the reference is above this..."})
     min_rel: float = field(default=1.0, metadata={"help": "... and its loss this fraction above the median."})
     max_culprits: int = field(default=4, metadata={"help": "At most this many culprits per bad step (highest z)."})
     grad_norms: bool = field(default=True, metadata={"help": "Per-sample gradient norm of each culprit (re-run)."})
     max_grad_samples: int = field(
         default=64, metadata={"help": "A gradient spike with no loss outlier: re-run up to this many samples alone."}
     )
-    window: int = field(default=2048, metadata={"help": "Healthy per-sample losses kept as the reference."})
+    window: int = field(
+        default=1024, metadata={"help": "Healthy samples' loss / step-median ratios kept as the reference."}
+    )
     min_reference: int = field(
         default=64, metadata={"help": "Healthy per-sample losses needed before they are the reference."}
     )
@@ -221,13 +224,15 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         culprits = [c for c in culprits if c.row.record_id not in self.quarantine]
         if self.cfg.grad_norms and culprits and params is not None and not by_grad:
             culprit_grad_norms(self._model, params, self._tap, located, culprits, self._args)
-        top = sorted((r for r in rows if r.tokens > 0), key=lambda r: -r.loss if math.isfinite(r.loss) else -math.inf)
+        live = [r for r in rows if r.tokens > 0]
+        top = sorted(zip(live, ratios(live)), key=lambda rx: -rx[0].loss if math.isfinite(rx[0].loss) else -math.inf)
         self.event(step, "step_forensics",
                    f"step {step} ({', '.join(step_reasons)}): {len(rows)} samples re-run, median loss {med:.4g}; "
                    f"{len(culprits)} culprit(s)" + (f", {len(suspects)} fine at the snapshot's weights (the weights, "
                                                     "not the data)" if suspects else ""),
-                   severity="info", reference_median=med, step_reasons=step_reasons,
-                   samples=[[_where(self.records, r.record_id)[0], _num(r.loss), _num(r.z)] for r in top[:32]],
+                   severity="info", step_median=med, step_reasons=step_reasons,
+                   samples=[[_where(self.records, r.record_id)[0], _num(r.loss), _num(x), _num(r.z)]
+                            for r, x in top[:32]],
                    healthy=[_num(x) for x in list(self._reference)[-256:]])
         self._quarantine(step, culprits, med, step_reasons)
 
@@ -268,8 +273,9 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             culprits = [c for c in sorted(culprits, key=lambda c: -c.row.z)[: self.cfg.max_culprits]
                         if c.row.record_id not in self.quarantine]
             named = {c.row.record_id for c in culprits}
-            self._reference.extend(r.loss for r in rows
-                                   if r.tokens > 0 and math.isfinite(r.loss) and r.record_id not in named)
+            live = [r for r in rows if r.tokens > 0]
+            self._reference.extend(x for r, x in zip(live, ratios(live))
+                                   if math.isfinite(x) and r.record_id not in named)
             self._quarantine(s, culprits, med, ["screen"])
         self._bad_steps = {b for b in self._bad_steps if b > step}
 
@@ -286,7 +292,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         names = []
         for c in culprits:
             where, digest, preview = _where(self.records, c.row.record_id)
-            evidence = {"loss": c.row.loss, "z": c.row.z, "tokens": c.row.tokens, "reference_median": median,
+            evidence = {"loss": c.row.loss, "z": c.row.z, "tokens": c.row.tokens, "step_median": median,
                         "loss_at_snapshot": c.row.loss_snapshot, "grad_norm": c.grad_norm,
                         "step_reasons": step_reasons}
             evidence = {k: _num(v) if isinstance(v, float) else v for k, v in evidence.items()}

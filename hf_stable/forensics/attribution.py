@@ -8,9 +8,11 @@ the step's verdict is rank-agreed), so every rank judges the same table and name
 
 A sample is a culprit when
 * its loss is non-finite while most of the batch is finite (a NaN of every sample is the weights, not the data), or
-* its loss is a robust outlier: ``z = (loss - median) / (1.4826 MAD)`` above ``zscore`` *and* ``loss`` above
-  ``median x (1 + min_rel)``. The reference (median, MAD) is the running per-sample loss distribution of healthy
-  steps when there is one (screening keeps it), else the step's own samples;
+* its loss relative to the step's median (a scale that does not drift as training lowers the loss) is a robust
+  outlier: ``z = (ratio - median) / (1.4826 MAD)`` above ``zscore`` *and* the ratio above ``median x (1 + min_rel)``.
+  The reference (median, MAD) is the running distribution of healthy samples' ratios when there is one
+  (screening keeps it), else the step's own samples; a sample longer than the step's median is judged on a
+  scale shrunk by ``sqrt(median tokens / tokens)`` (a mean over many tokens is less noisy);
 * and, when a snapshot's loss is known, the sample is an outlier there too: a sample that is fine at the
   snapshot's weights points at the weights, not the data (reported as ``weights_suspect``, not quarantined).
 
@@ -63,6 +65,20 @@ def robust_stats(values: list[float]) -> tuple[float, float]:
     return med, max(1.4826 * mad, 0.05 * abs(med), 1e-6)
 
 
+def _median(values: list[float]) -> float:
+    xs = sorted(v for v in values if math.isfinite(v))
+    if not xs:
+        return math.nan
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def ratios(rows: list[SampleRow]) -> list[float]:
+    """Each row's loss over the median loss of its step: a scale that stays put while training lowers the loss."""
+    med = _median([r.loss for r in rows if r.tokens > 0])
+    return [r.loss / med if med > 0 else math.nan for r in rows]
+
+
 def judge(
     rows: list[SampleRow],
     reference: list[float] | None,
@@ -71,34 +87,41 @@ def judge(
     min_rel: float,
     reason: str = "loss_outlier",
 ) -> tuple[list[Culprit], list[SampleRow], float]:
-    """(culprits, weights suspects, reference median) for the rows of one step. Pure: the same rows give the same
-    answer on every rank. Sets `row.z`."""
+    """(culprits, weights suspects, the step's median loss) for the rows of one step. Pure: the same rows give the
+    same answer on every rank. Sets `row.z`.
+
+    A sample is judged by its loss relative to the step's median (`ratios`), against `reference` (healthy steps'
+    ratios) or, without one, the step's own ratios. A mean over many tokens is less noisy than one over a few, so a
+    sample longer than the step's median length gets a scale shrunk by ``sqrt(median tokens / tokens)``; a short
+    one keeps the reference scale (short answers are the noisy tail of a healthy run).
+    """
     rows = [r for r in rows if r.tokens > 0]
     if not rows:
         return [], [], math.nan
-    ref = reference if reference else [r.loss for r in rows]
-    med, scale = robust_stats(ref)
-    snap_med, _ = robust_stats([r.loss_snapshot for r in rows])
+    step_median = _median([r.loss for r in rows])
+    rel = ratios(rows)
+    med, scale = robust_stats(reference if reference else rel)
+    tok_med = _median([float(r.tokens) for r in rows])
+    snap_med = _median([r.loss_snapshot for r in rows])
     finite = [r for r in rows if math.isfinite(r.loss)]
     culprits: list[Culprit] = []
     suspects: list[SampleRow] = []
-    for r in rows:
+    for r, x in zip(rows, rel):
         if not math.isfinite(r.loss):
             r.z = math.inf
             if len(finite) * 2 > len(rows):  # most samples fine: this one's data is the fault
                 culprits.append(Culprit(r, "nonfinite_loss"))
             continue
-        if not math.isfinite(med):
+        if not (math.isfinite(med) and math.isfinite(x)):
             continue
-        r.z = (r.loss - med) / scale
-        if r.z > zscore and r.loss > med * (1 + min_rel):
-            if math.isfinite(r.loss_snapshot) and math.isfinite(snap_med) and r.loss_snapshot <= snap_med * (
-                1 + min_rel
-            ):
+        r.z = (x - med) / (scale * math.sqrt(min(1.0, tok_med / r.tokens)))
+        if r.z > zscore and x > med * (1 + min_rel):
+            snap = r.loss_snapshot / snap_med if snap_med > 0 else math.nan
+            if math.isfinite(snap) and snap <= med * (1 + min_rel):
                 suspects.append(r)  # fine at the snapshot's weights: the weights moved, not the data
             else:
                 culprits.append(Culprit(r, reason))
-    return culprits, suspects, med
+    return culprits, suspects, step_median
 
 
 def _logits_of(output):

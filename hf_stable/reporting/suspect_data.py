@@ -25,8 +25,8 @@ def _cell(text) -> str:
 
 def _evidence(ev: dict) -> str:
     parts = [f"loss {_num(ev.get('loss')):.4g}"]
-    if math.isfinite(_num(ev.get("reference_median"))):
-        parts.append(f"median {_num(ev['reference_median']):.3g}")
+    if math.isfinite(_num(ev.get("step_median"))):
+        parts.append(f"step median {_num(ev['step_median']):.3g}")
     z = _num(ev.get("z"))
     if not math.isnan(z):
         parts.append(f"z {z:.3g}")
@@ -66,7 +66,8 @@ def suspect_markdown(output_dir: str | Path, events: list[dict]) -> list[str]:
 
 
 def plot_bad_step_losses(events: list[dict], path: Path) -> Path | None:
-    """Per-sample losses of each bad step (dots, culprits red) over the healthy per-sample distribution (box)."""
+    """Each bad step's per-sample losses over the step's median (dots, quarantined red) next to the healthy
+    samples' distribution of the same ratio (box, when screening kept one)."""
     steps = [e for e in events if e.get("kind") == "step_forensics" and e.get("samples")]
     if not steps:
         return None
@@ -83,8 +84,8 @@ def plot_bad_step_losses(events: list[dict], path: Path) -> Path | None:
                    for r in ev.get("records") or []}
     for k, e in enumerate(steps[:20], start=1):
         xs, ys, colors = [], [], []
-        for where, loss, _z in e["samples"]:
-            y = _num(loss)
+        for where, _loss, ratio, _z in e["samples"]:
+            y = _num(ratio)
             if not math.isfinite(y):
                 continue  # a non-finite loss cannot be drawn; the table names it
             xs.append(k)
@@ -95,6 +96,6 @@ def plot_bad_step_losses(events: list[dict], path: Path) -> Path | None:
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=45, fontsize=7)
     ax.set_yscale("log")
-    ax.set_ylabel("per-sample loss")
-    ax.set_title("bad steps: per-sample loss (red: quarantined) vs healthy")
+    ax.set_ylabel("sample loss / step median")
+    ax.set_title("bad steps' samples (red: quarantined) vs healthy samples")
     return _save(fig, path)
