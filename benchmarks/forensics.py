@@ -35,8 +35,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "hf_stable" / "embedded" / "data" / "train.jsonl"
 KINDS = ("garbage", "mislabeled", "repeated", "burst")
-SCRIPTS = ["abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", "αβγδεζηθικλμνξοπρστυφχψω",
-           "абвгдежзийклмнопрстуфхцчшщ", "的一是不了人我在有他这中大来上们到说国和地也子时道出", "!@#$%^&*()_+-=[]{};:,.<>/?~"]
+SCRIPTS = [
+    "abcdefghijklmnopqrstuvwxyz",
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789",
+    "αβγδεζηθικλμνξοπρστυφχψω",
+    "абвгдежзийклмнопрстуфхцчшщ",
+    "的一是不了人我在有他这中大来上们到说国和地也子时道出",
+    "!@#$%^&*()_+-=[]{};:,.<>/?~",
+]
 
 
 def _noise(rng: random.Random, n: int) -> str:
@@ -62,12 +68,18 @@ def poisoned_file(path: Path, seed: int, per_kind: int = 5, n: int | None = None
         bad.append(("garbage", {"instruction": _noise(rng, 40), "input": "", "output": _noise(rng, 60)}))
         a = rng.choice(records)
         b = rng.choice([r for r in records if r.get("family") != a.get("family")])
-        bad.append(("mislabeled", {"instruction": a["instruction"], "input": a.get("input", ""),
-                                   "output": b["output"]}))
-        bad.append(("repeated", {"instruction": rng.choice(records)["instruction"], "input": "",
-                                 "output": rng.choice("xZ#7") * 400}))
-    burst = [("burst", {"instruction": _noise(rng, 40), "input": "", "output": _noise(rng, 60)})
-             for _ in range(per_kind)]
+        bad.append(
+            ("mislabeled", {"instruction": a["instruction"], "input": a.get("input", ""), "output": b["output"]})
+        )
+        bad.append(
+            (
+                "repeated",
+                {"instruction": rng.choice(records)["instruction"], "input": "", "output": rng.choice("xZ#7") * 400},
+            )
+        )
+    burst = [
+        ("burst", {"instruction": _noise(rng, 40), "input": "", "output": _noise(rng, 60)}) for _ in range(per_kind)
+    ]
     lines: list[tuple[str | None, dict]] = [(None, r) for r in records]
     for kind, rec in bad:
         lines.insert(rng.randrange(len(lines) + 1), (kind, rec))
@@ -79,15 +91,40 @@ def poisoned_file(path: Path, seed: int, per_kind: int = 5, n: int | None = None
 
 def run(train_file: Path, out: Path, arm: str, seed: int, steps: int) -> dict:
     """One recipe run; returns its quarantine entries, eval loss and train runtime."""
-    args = [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--data.train_file", str(train_file),
-            "--training.max_steps", str(steps), "--training.seed", str(seed), "--training.output_dir", str(out),
-            "--evaluation.exact_match_samples", "0", "--evaluation.before", "false", "--training.logging_steps", "10"]
+    args = [
+        sys.executable,
+        str(ROOT / "scripts" / "finetune.py"),
+        "--data.train_file",
+        str(train_file),
+        "--training.max_steps",
+        str(steps),
+        "--training.seed",
+        str(seed),
+        "--training.output_dir",
+        str(out),
+        "--evaluation.exact_match_samples",
+        "0",
+        "--evaluation.before",
+        "false",
+        "--training.logging_steps",
+        "10",
+    ]
     if arm == "plain":
-        args += ["--data.quarantine", "off", "--stability.guards.enabled", "false",
-                 "--stability.monitors.enabled", "false"]
+        args += [
+            "--data.quarantine",
+            "off",
+            "--stability.guards.enabled",
+            "false",
+            "--stability.monitors.enabled",
+            "false",
+        ]
     else:
-        args += ["--data.quarantine", "report" if arm == "report" else "auto",
-                 "--data.screen", "true" if arm in ("screen", "report") else "false"]
+        args += [
+            "--data.quarantine",
+            "report" if arm == "report" else "auto",
+            "--data.screen",
+            "true" if arm in ("screen", "report") else "false",
+        ]
     started = time.time()
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -97,17 +134,28 @@ def run(train_file: Path, out: Path, arm: str, seed: int, steps: int) -> dict:
     runtime = next((h["train_runtime"] for h in state["log_history"] if "train_runtime" in h), time.time() - started)
     q = out / "quarantine.jsonl"
     entries = [json.loads(x) for x in q.read_text().splitlines() if x.strip()] if q.is_file() else []
-    return {"entries": entries, "eval_loss": summary.get("eval_loss_after"), "runtime": float(runtime),
-            "steps": summary.get("train_steps")}
+    return {
+        "entries": entries,
+        "eval_loss": summary.get("eval_loss_after"),
+        "runtime": float(runtime),
+        "steps": summary.get("train_steps"),
+    }
 
 
 def score(entries: list[dict], injected: dict[int, str]) -> dict:
     lines = {int(e["where"].rsplit(":", 1)[1]) for e in entries}
     hit = lines & set(injected)
-    by_kind = {k: (sum(1 for ln in hit if injected[ln] == k), sum(1 for v in injected.values() if v == k))
-               for k in KINDS}
-    return {"quarantined": len(lines), "true": len(hit), "precision": len(hit) / len(lines) if lines else 1.0,
-            "recall": len(hit) / len(injected), "by_kind": by_kind, "false": sorted(lines - set(injected))}
+    by_kind = {
+        k: (sum(1 for ln in hit if injected[ln] == k), sum(1 for v in injected.values() if v == k)) for k in KINDS
+    }
+    return {
+        "quarantined": len(lines),
+        "true": len(hit),
+        "precision": len(hit) / len(lines) if lines else 1.0,
+        "recall": len(hit) / len(injected),
+        "by_kind": by_kind,
+        "false": sorted(lines - set(injected)),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,24 +178,39 @@ def main(argv: list[str] | None = None) -> None:
         results[arm] = r
         s = score(r["entries"], injected) if arm != "plain" else None
         kinds = " ".join(f"{k} {t}/{n}" for k, (t, n) in s["by_kind"].items()) if s else ""
-        print(f"{arm:>7}: eval loss {r['eval_loss']:.4f}  runtime {r['runtime']:.0f}s" + (
-            f"  quarantined {s['quarantined']} (true {s['true']}) precision {s['precision']:.2f} "
-            f"recall {s['recall']:.2f}  [{kinds}]  false: {s['false'][:5]}" if s else ""))
+        print(
+            f"{arm:>7}: eval loss {r['eval_loss']:.4f}  runtime {r['runtime']:.0f}s"
+            + (
+                f"  quarantined {s['quarantined']} (true {s['true']}) precision {s['precision']:.2f} "
+                f"recall {s['recall']:.2f}  [{kinds}]  false: {s['false'][:5]}"
+                if s
+                else ""
+            )
+        )
     clean_fp, runtimes = [], {}
     for k in range(a.clean_seeds):
         r = run(clean, tmp / f"clean_screen_{k}", "screen", a.seed + k, a.steps)
         clean_fp.append(len(r["entries"]))
         runtimes.setdefault("screen", []).append(r["runtime"])
-        print(f"clean seed {a.seed + k}: {len(r['entries'])} quarantined (screening on) "
-              f"{[e['where'] for e in r['entries']][:5]}")
+        print(
+            f"clean seed {a.seed + k}: {len(r['entries'])} quarantined (screening on) "
+            f"{[e['where'] for e in r['entries']][:5]}"
+        )
     r = run(clean, tmp / "clean_auto", "auto", a.seed, a.steps)
     overhead = runtimes["screen"][0] / r["runtime"] if r["runtime"] else float("nan")
-    print(f"screen overhead (train runtime, clean file, seed {a.seed}): {overhead:.3f}x "
-          "(wall time on a possibly shared machine: noisy)")
-    s = score(results["screen"]["entries"], injected) if "screen" in results else {"precision": float("nan"),
-                                                                                    "recall": float("nan")}
-    print(f"quarantine_precision={s['precision']:.3f} quarantine_recall={s['recall']:.3f} "
-          f"screen_overhead={overhead:.3f} clean_false_positives={sum(clean_fp)}")
+    print(
+        f"screen overhead (train runtime, clean file, seed {a.seed}): {overhead:.3f}x "
+        "(wall time on a possibly shared machine: noisy)"
+    )
+    s = (
+        score(results["screen"]["entries"], injected)
+        if "screen" in results
+        else {"precision": float("nan"), "recall": float("nan")}
+    )
+    print(
+        f"quarantine_precision={s['precision']:.3f} quarantine_recall={s['recall']:.3f} "
+        f"screen_overhead={overhead:.3f} clean_false_positives={sum(clean_fp)}"
+    )
 
 
 if __name__ == "__main__":

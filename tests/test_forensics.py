@@ -12,10 +12,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from forensics_run import build, position_of  # noqa: E402
+from forensics_run import build, position_of
 
-from hf_stable.forensics.quarantine import read_quarantine  # noqa: E402
-
+from hf_stable.forensics.quarantine import read_quarantine
 
 
 def _run(tmp_path, packing, factor, mode="auto"):
@@ -58,8 +57,13 @@ def test_report_and_card_show_the_suspect_data_table_and_plot(tmp_path):
 @pytest.mark.parametrize("poisoned", [True, False])
 def test_screening_catches_a_record_too_mild_to_flag_its_step_and_nothing_on_clean_data(tmp_path, poisoned):
     idx = position_of(5)
-    trainer, skip, forensics = build(tmp_path, factor=40.0, poison_index=idx if poisoned else -1, grad_free=True,
-                                     forensics_kw={"screen": True, "screen_every": 4})
+    trainer, skip, forensics = build(
+        tmp_path,
+        factor=40.0,
+        poison_index=idx if poisoned else -1,
+        grad_free=True,
+        forensics_kw={"screen": True, "screen_every": 4},
+    )
     trainer.train()
     assert skip.skipped_steps == []  # the batch loss never looked bad
     entries = read_quarantine(tmp_path)
@@ -72,7 +76,7 @@ def test_screening_catches_a_record_too_mild_to_flag_its_step_and_nothing_on_cle
 
 def test_a_gradient_spike_with_normal_losses_is_attributed_by_per_sample_gradient_norm(tmp_path):
     idx = position_of(5)
-    trainer, skip, forensics = build(tmp_path, factor=25.0, poison_index=idx)
+    trainer, skip, _ = build(tmp_path, factor=25.0, poison_index=idx)
     trainer.train()
     assert skip.skipped_steps == [5]
     (e,) = read_quarantine(tmp_path)
@@ -89,7 +93,7 @@ def test_with_the_rollback_snapshot_the_culprit_is_bad_at_the_snapshot_weights_t
     cfg = GuardsConfig()
     cfg.skip.warmup_steps = 3
     idx = position_of(6)
-    trainer, skip, forensics = build(tmp_path, factor=60.0, poison_index=idx, guards=build_guards(cfg))
+    trainer, _, _ = build(tmp_path, factor=60.0, poison_index=idx, guards=build_guards(cfg))
     trainer.train()
     (e,) = read_quarantine(tmp_path)
     assert (e["where"], e["reason"]) == (f"train.jsonl:{idx + 1}", "loss_outlier")
@@ -98,7 +102,7 @@ def test_with_the_rollback_snapshot_the_culprit_is_bad_at_the_snapshot_weights_t
 
 
 def test_report_mode_writes_the_file_but_keeps_training_on_it(tmp_path):
-    trainer, skip, forensics, idx = _run(tmp_path, False, float("nan"), mode="report")
+    _, skip, forensics, idx = _run(tmp_path, False, float("nan"), mode="report")
     assert [e["where"] for e in read_quarantine(tmp_path)] == [f"train.jsonl:{idx + 1}"]
     assert len(skip.skipped_steps) == 2  # seen again in epoch 2 (and skipped again), no second entry
     assert forensics.sampler is None
@@ -112,8 +116,9 @@ def _script(out, *args, check=True):
     import subprocess
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -150,8 +155,18 @@ def test_two_ranks_name_the_same_culprit_and_stay_identical(tmp_path):
     from dist_scripts.harness import torchrun_two_ranks
 
     idx = position_of(6)  # some step of one rank's shard; which rank holds it does not matter
-    torchrun_two_ranks(SCRIPT, str(tmp_path), "--poison-index", str(idx), "--steps", "8", "--save-steps", "100",
-                       "--packing", timeout=280)
+    torchrun_two_ranks(
+        SCRIPT,
+        str(tmp_path),
+        "--poison-index",
+        str(idx),
+        "--steps",
+        "8",
+        "--save-steps",
+        "100",
+        "--packing",
+        timeout=280,
+    )
     (r0, w0), (r1, w1) = _result(tmp_path, 0), _result(tmp_path, 1)
     assert r0["quarantine"] == r1["quarantine"] and r0["skipped"] == r1["skipped"] and len(r0["skipped"]) == 1
     assert [e["where"] for e in r0["quarantine"]["entries"]] == [f"train.jsonl:{idx + 1}"]

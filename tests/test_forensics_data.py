@@ -11,15 +11,15 @@ import torch
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import tiny_lora_llama, training_args  # noqa: E402
+from guards_common import tiny_lora_llama, training_args
 
-from hf_stable.callbacks.step_tap import StepTap  # noqa: E402
-from hf_stable.config.data import DataConfig  # noqa: E402
-from hf_stable.data import build_data  # noqa: E402
-from hf_stable.data.collators import PackingCollator, PaddingCollator  # noqa: E402
-from hf_stable.data.identity import read_exclusions, record_hash  # noqa: E402
-from hf_stable.forensics.sample_loss import per_sample_loss  # noqa: E402
-from hf_stable.trainer import StableTrainer  # noqa: E402
+from hf_stable.callbacks.step_tap import StepTap
+from hf_stable.config.data import DataConfig
+from hf_stable.data import build_data
+from hf_stable.data.collators import PackingCollator, PaddingCollator
+from hf_stable.data.identity import read_exclusions, record_hash
+from hf_stable.forensics.sample_loss import per_sample_loss
+from hf_stable.trainer import StableTrainer
 
 
 def _features(n=6, seed=0, vocab=128):
@@ -117,8 +117,13 @@ def test_record_ids_reach_the_tap_never_the_forward(tmp_path, packing):
     collator = PackingCollator(0) if packing else PaddingCollator(0)  # StableTrainer asks for the ids
     model = tiny_lora_llama()
     spy = _Spy(model)
-    args = training_args(tmp_path, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                         remove_unused_columns=False)
+    args = training_args(
+        tmp_path,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        remove_unused_columns=False,
+    )
     StableTrainer(model=model, args=args, train_dataset=ds, data_collator=collator, callbacks=[spy]).train()
     assert spy.keys and all("record_ids" not in k and "record_id" not in k for k in spy.keys)
     assert len(spy.steps) == 2 and all(len(step) == 2 for step in spy.steps)  # 2 micro-batches per step

@@ -197,11 +197,14 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             per, snap = [], None
         parts, located = [], {}
         me = float(rank())
-        for k, (mb, n, ids, stacked) in enumerate(per):
+        for k, (mb, _n, ids, stacked) in enumerate(per):
             ids_f = ids.to(device, torch.float64)
             snap_loss = snap[k].to(device, torch.float64) if snap is not None else torch.full_like(ids_f, math.nan)
-            parts.append(torch.stack([ids_f, stacked[0].double(), stacked[1].double(), snap_loss,
-                                      torch.full_like(ids_f, me)], dim=1))
+            parts.append(
+                torch.stack(
+                    [ids_f, stacked[0].double(), stacked[1].double(), snap_loss, torch.full_like(ids_f, me)], dim=1
+                )
+            )
             for seg, rid in enumerate(ids.tolist()):
                 if rid >= 0:
                     located[rid] = (mb, seg)
@@ -214,8 +217,12 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             from hf_stable.callbacks.guards.snapshot import optimizer_params
 
             params = optimizer_params(self._optimizer)
-        by_grad = (not culprits and params is not None and {"grad_spike", "nonfinite"} & set(step_reasons)
-                   and 0 < len(rows) <= self.cfg.max_grad_samples)  # agreed: the gathered table and the verdict
+        by_grad = (
+            not culprits
+            and params is not None
+            and {"grad_spike", "nonfinite"} & set(step_reasons)
+            and 0 < len(rows) <= self.cfg.max_grad_samples
+        )  # agreed: the gathered table and the verdict
         if by_grad:
             live = [r for r in rows if r.tokens > 0]
             norms = sample_grad_norms(self._model, params, self._tap, located, live, self._args)
@@ -226,14 +233,18 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             culprit_grad_norms(self._model, params, self._tap, located, culprits, self._args)
         live = [r for r in rows if r.tokens > 0]
         top = sorted(zip(live, ratios(live)), key=lambda rx: -rx[0].loss if math.isfinite(rx[0].loss) else -math.inf)
-        self.event(step, "step_forensics",
-                   f"step {step} ({', '.join(step_reasons)}): {len(rows)} samples re-run, median loss {med:.4g}; "
-                   f"{len(culprits)} culprit(s)" + (f", {len(suspects)} fine at the snapshot's weights (the weights, "
-                                                    "not the data)" if suspects else ""),
-                   severity="info", step_median=med, step_reasons=step_reasons,
-                   samples=[[_where(self.records, r.record_id)[0], _num(r.loss), _num(x), _num(r.z)]
-                            for r, x in top[:32]],
-                   healthy=[_num(x) for x in list(self._reference)[-256:]])
+        self.event(
+            step,
+            "step_forensics",
+            f"step {step} ({', '.join(step_reasons)}): {len(rows)} samples re-run, median loss {med:.4g}; "
+            f"{len(culprits)} culprit(s)"
+            + (f", {len(suspects)} fine at the snapshot's weights (the weights, not the data)" if suspects else ""),
+            severity="info",
+            step_median=med,
+            step_reasons=step_reasons,
+            samples=[[_where(self.records, r.record_id)[0], _num(r.loss), _num(x), _num(r.z)] for r, x in top[:32]],
+            healthy=[_num(x) for x in list(self._reference)[-256:]],
+        )
         self._quarantine(step, culprits, med, step_reasons)
 
     # --- screening -----------------------------------------------------------------------------------------
@@ -248,9 +259,19 @@ class SpikeForensics(StepTapUser, StabilityCallback):
 
     def _flush_screen(self, step: int) -> None:
         device = next(self._model.parameters()).device if self._model is not None else torch.device("cpu")
-        parts = [torch.stack([torch.full_like(loss, s, dtype=torch.float64), ids.double(), loss.double(),
-                              count.double(), torch.full_like(loss, float(rank()), dtype=torch.float64)], dim=1)
-                 for s, ids, loss, count in self._buffer]
+        parts = [
+            torch.stack(
+                [
+                    torch.full_like(loss, s, dtype=torch.float64),
+                    ids.double(),
+                    loss.double(),
+                    count.double(),
+                    torch.full_like(loss, float(rank()), dtype=torch.float64),
+                ],
+                dim=1,
+            )
+            for s, ids, loss, count in self._buffer
+        ]
         self._buffer = []
         local = torch.cat(parts).to(device) if parts else torch.zeros((0, 5), dtype=torch.float64, device=device)
         n = torch.tensor([float(local.shape[0])], device=device)
@@ -268,14 +289,19 @@ class SpikeForensics(StepTapUser, StabilityCallback):
                 continue
             rows = by_step[s]
             reference = list(self._reference) if len(self._reference) >= self.cfg.min_reference else None
-            culprits, _, med = judge(rows, reference, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel,
-                                     reason="screen_outlier")
-            culprits = [c for c in sorted(culprits, key=lambda c: -c.row.z)[: self.cfg.max_culprits]
-                        if c.row.record_id not in self.quarantine]
+            culprits, _, med = judge(
+                rows, reference, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel, reason="screen_outlier"
+            )
+            culprits = [
+                c
+                for c in sorted(culprits, key=lambda c: -c.row.z)[: self.cfg.max_culprits]
+                if c.row.record_id not in self.quarantine
+            ]
             named = {c.row.record_id for c in culprits}
             live = [r for r in rows if r.tokens > 0]
-            self._reference.extend(x for r, x in zip(live, ratios(live))
-                                   if math.isfinite(x) and r.record_id not in named)
+            self._reference.extend(
+                x for r, x in zip(live, ratios(live)) if math.isfinite(x) and r.record_id not in named
+            )
             self._quarantine(s, culprits, med, ["screen"])
         self._bad_steps = {b for b in self._bad_steps if b > step}
 
@@ -292,19 +318,40 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         names = []
         for c in culprits:
             where, digest, preview = _where(self.records, c.row.record_id)
-            evidence = {"loss": c.row.loss, "z": c.row.z, "tokens": c.row.tokens, "step_median": median,
-                        "loss_at_snapshot": c.row.loss_snapshot, "grad_norm": c.grad_norm,
-                        "step_reasons": step_reasons}
+            evidence = {
+                "loss": c.row.loss,
+                "z": c.row.z,
+                "tokens": c.row.tokens,
+                "step_median": median,
+                "loss_at_snapshot": c.row.loss_snapshot,
+                "grad_norm": c.grad_norm,
+                "step_reasons": step_reasons,
+            }
             evidence = {k: _num(v) if isinstance(v, float) else v for k, v in evidence.items()}
-            entry = Entry(record_id=c.row.record_id, where=where, hash=digest, step=step, reason=c.reason,
-                          preview=preview, evidence=evidence, epoch=epoch, position=position)
+            entry = Entry(
+                record_id=c.row.record_id,
+                where=where,
+                hash=digest,
+                step=step,
+                reason=c.reason,
+                preview=preview,
+                evidence=evidence,
+                epoch=epoch,
+                position=position,
+            )
             if self.quarantine.add(entry):
                 names.append(f"{where} ({c.reason}, loss {c.row.loss:.4g}, z {c.row.z:.3g})")
         if names:
-            action = "never sampled again" if self.cfg.quarantine == "auto" else "reported only (data.quarantine: report)"
-            self.event(step, "samples_quarantined", f"step {step}: {len(names)} record(s) quarantined, {action}: "
-                       + "; ".join(names), severity="warning", records=[e.to_dict() for e in self.quarantine.entries
-                                                                        if e.step == step])
+            action = (
+                "never sampled again" if self.cfg.quarantine == "auto" else "reported only (data.quarantine: report)"
+            )
+            self.event(
+                step,
+                "samples_quarantined",
+                f"step {step}: {len(names)} record(s) quarantined, {action}: " + "; ".join(names),
+                severity="warning",
+                records=[e.to_dict() for e in self.quarantine.entries if e.step == step],
+            )
 
 
 def build_forensics(data_cfg, records, callbacks) -> list:

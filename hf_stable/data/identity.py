@@ -97,7 +97,9 @@ def read_exclusions(source) -> set[str]:
         return {str(x).strip() for x in source if str(x).strip()}
     path = Path(source)
     if not path.is_file():
-        raise DataError(f"data.exclude_file: {source} does not exist (a quarantine.jsonl or a list of file:line / hashes)")
+        raise DataError(
+            f"data.exclude_file: {source} does not exist (a quarantine.jsonl or a list of file:line / hashes)"
+        )
     out: set[str] = set()
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         line = line.strip()
@@ -107,8 +109,10 @@ def read_exclusions(source) -> set[str]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{source}:{lineno}: malformed JSON ({e.msg}); data.exclude_file wants a "
-                                "quarantine.jsonl or one file:line / hash a line") from None
+                raise DataError(
+                    f"{source}:{lineno}: malformed JSON ({e.msg}); data.exclude_file wants a "
+                    "quarantine.jsonl or one file:line / hash a line"
+                ) from None
             names = [obj.get(k) for k in ("where", "hash") if isinstance(obj.get(k), str)]
             if not names:
                 raise DataError(f"{source}:{lineno}: names neither 'where' (file:line) nor 'hash'")

@@ -176,8 +176,12 @@ def single_sample_inputs(call_kwargs: dict, segment: int) -> dict | None:
         if where.numel() == 0:
             return None
         s, e = int(where[0]), int(where[-1]) + 1
-        return {"input_ids": ids.reshape(-1)[s:e][None], "labels": labels.reshape(-1)[s:e][None],
-                "position_ids": pos.reshape(-1)[s:e][None], "use_cache": False}
+        return {
+            "input_ids": ids.reshape(-1)[s:e][None],
+            "labels": labels.reshape(-1)[s:e][None],
+            "position_ids": pos.reshape(-1)[s:e][None],
+            "use_cache": False,
+        }
     kw = {"input_ids": ids[segment : segment + 1], "labels": labels[segment : segment + 1], "use_cache": False}
     if isinstance(call_kwargs.get("attention_mask"), torch.Tensor):
         kw["attention_mask"] = call_kwargs["attention_mask"][segment : segment + 1]
@@ -217,7 +221,7 @@ def sample_grad_norms(model, params, tap: StepTap, located: dict, rows: list[Sam
             if kw is None:
                 continue
             try:
-                loss, grads = batch_gradients(model, params, (), kw, args)
+                _, grads = batch_gradients(model, params, (), kw, args)
             except Exception:  # noqa: BLE001 - evidence only: never fail the run over it
                 continue
             if grads is not None:

@@ -155,8 +155,9 @@ def wrap_train_sampler(trainer, sampler, dataset):
     dataset carries ``record_id``; else `sampler` unchanged. Called from `StableTrainer._get_train_sampler`."""
     from hf_stable.callbacks.forensics import SpikeForensics
 
-    forensics = next((cb for cb in trainer.callback_handler.callbacks
-                      if isinstance(cb, SpikeForensics) and cb.enabled), None)
+    forensics = next(
+        (cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SpikeForensics) and cb.enabled), None
+    )
     if forensics is None or sampler is None or forensics.cfg.quarantine != "auto":
         return sampler
     if "record_id" not in (getattr(dataset, "column_names", None) or []):

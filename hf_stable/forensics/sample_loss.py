@@ -52,9 +52,7 @@ def per_sample_loss(
     seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
     target = labels[:, 1:].reshape(-1)
     mask = target.ne(IGNORE_INDEX)
-    nll = F.cross_entropy(
-        logits[:, :-1].reshape(-1, v).float(), target.clamp_min(0), reduction="none"
-    )
+    nll = F.cross_entropy(logits[:, :-1].reshape(-1, v).float(), target.clamp_min(0), reduction="none")
     nll = torch.where(mask, nll, torch.zeros_like(nll))
     if n_segments is None:
         n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0

@@ -45,8 +45,10 @@ def suspect_table(entries: list[dict], limit: int = MAX_ROWS) -> list[str]:
         return []
     lines = ["| step | file:line | reason | evidence | preview |", "|---:|---|---|---|---|"]
     for e in entries[:limit]:
-        lines.append(f"| {e.get('step')} | `{_cell(e.get('where'))}` | {_cell(e.get('reason'))} | "
-                     f"{_cell(_evidence(e.get('evidence') or {}))} | {_cell(e.get('preview', ''))} |")
+        lines.append(
+            f"| {e.get('step')} | `{_cell(e.get('where'))}` | {_cell(e.get('reason'))} | "
+            f"{_cell(_evidence(e.get('evidence') or {}))} | {_cell(e.get('preview', ''))} |"
+        )
     if len(entries) > limit:
         lines.append(f"\n{len(entries) - limit} more in `{QUARANTINE_FILE}`.")
     return lines
@@ -59,10 +61,20 @@ def suspect_markdown(output_dir: str | Path, events: list[dict]) -> list[str]:
     if not entries and not forensics:
         return []
     if not entries:
-        return [f"{len(forensics)} bad step(s) re-run sample by sample; no record stood out (the weights or a "
-                "transient fault, not the data)."]
-    return [f"{len(entries)} record(s) quarantined (`{QUARANTINE_FILE}`; exclude them from another run with "
-            f"`data.exclude_file`, re-audit with `hf-stable audit --exclude`):", "", *suspect_table(entries)]
+        return [
+            (
+                f"{len(forensics)} bad step(s) re-run sample by sample; no record stood out (the weights or a "
+                "transient fault, not the data)."
+            )
+        ]
+    return [
+        (
+            f"{len(entries)} record(s) quarantined (`{QUARANTINE_FILE}`; exclude them from another run with "
+            f"`data.exclude_file`, re-audit with `hf-stable audit --exclude`):"
+        ),
+        "",
+        *suspect_table(entries),
+    ]
 
 
 def plot_bad_step_losses(events: list[dict], path: Path) -> Path | None:
@@ -80,8 +92,12 @@ def plot_bad_step_losses(events: list[dict], path: Path) -> Path | None:
     if healthy:
         ax.boxplot([healthy], positions=[0], widths=0.6)
     labels = ["healthy" if healthy else ""]
-    quarantined = {(int(ev["step"]), r.get("where")) for ev in events if ev.get("kind") == "samples_quarantined"
-                   for r in ev.get("records") or []}
+    quarantined = {
+        (int(ev["step"]), r.get("where"))
+        for ev in events
+        if ev.get("kind") == "samples_quarantined"
+        for r in ev.get("records") or []
+    }
     for k, e in enumerate(steps[:20], start=1):
         xs, ys, colors = [], [], []
         for where, _loss, ratio, _z in e["samples"]:

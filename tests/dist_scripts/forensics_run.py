@@ -24,13 +24,13 @@ import torch
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from guards_common import tiny_lora_llama, training_args  # noqa: E402
+from guards_common import tiny_lora_llama, training_args
 
-from hf_stable.callbacks.forensics import ForensicsConfig, SpikeForensics  # noqa: E402
-from hf_stable.callbacks.guards import SkipGuard  # noqa: E402
-from hf_stable.data.collators import PackingCollator, PaddingCollator  # noqa: E402
-from hf_stable.data.identity import RecordInfo, RecordTable  # noqa: E402
-from hf_stable.trainer import StableTrainer  # noqa: E402
+from hf_stable.callbacks.forensics import ForensicsConfig, SpikeForensics
+from hf_stable.callbacks.guards import SkipGuard
+from hf_stable.data.collators import PackingCollator, PaddingCollator
+from hf_stable.data.identity import RecordInfo, RecordTable
+from hf_stable.trainer import StableTrainer
 
 MAGIC = 127
 N, BATCH, SEED = 32, 4, 0
@@ -90,24 +90,46 @@ class KillAfterSave(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def build(out, *, packing=False, factor=float("nan"), mode="auto", steps=16, poison_index=None, callbacks=(),
-          forensics_kw=None, grad_free=False, guards=None, **train_kw):
+def build(
+    out,
+    *,
+    packing=False,
+    factor=float("nan"),
+    mode="auto",
+    steps=16,
+    poison_index=None,
+    callbacks=(),
+    forensics_kw=None,
+    grad_free=False,
+    guards=None,
+    **train_kw,
+):
     """(trainer, skip guard, forensics) of the poisoned run."""
     from datasets import Dataset
 
     idx = position_of(6) if poison_index is None else poison_index
     ds = Dataset.from_list(rows(idx))
-    collator = (PackingCollator(0, max_row_tokens=28, return_record_ids=True) if packing
-                else PaddingCollator(0, return_record_ids=True))
+    collator = (
+        PackingCollator(0, max_row_tokens=28, return_record_ids=True)
+        if packing
+        else PaddingCollator(0, return_record_ids=True)
+    )
     model = tiny_lora_llama()
     poison(model, factor, grad_free)
     guards = guards if guards is not None else [SkipGuard(window=20, warmup_steps=3)]
     skip = next(g for g in guards if isinstance(g, SkipGuard))
     forensics = SpikeForensics(ForensicsConfig(quarantine=mode, **(forensics_kw or {})), table()).attach(guards)
-    args = training_args(out, max_steps=steps, per_device_train_batch_size=BATCH, remove_unused_columns=False,
-                         learning_rate=1e-3, **train_kw)
-    trainer = StableTrainer(model=model, args=args, train_dataset=ds, data_collator=collator,
-                            callbacks=[*guards, forensics, *callbacks])
+    args = training_args(
+        out,
+        max_steps=steps,
+        per_device_train_batch_size=BATCH,
+        remove_unused_columns=False,
+        learning_rate=1e-3,
+        **train_kw,
+    )
+    trainer = StableTrainer(
+        model=model, args=args, train_dataset=ds, data_collator=collator, callbacks=[*guards, forensics, *callbacks]
+    )
     return trainer, skip, forensics
 
 
@@ -123,8 +145,15 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.out)
     callbacks = [KillAfterSave(a.kill_at)] if a.kill_at else []
-    trainer, skip, forensics = build(out, packing=a.packing, steps=a.steps, poison_index=a.poison_index,
-                                     callbacks=callbacks, save_strategy="steps", save_steps=a.save_steps)
+    trainer, skip, forensics = build(
+        out,
+        packing=a.packing,
+        steps=a.steps,
+        poison_index=a.poison_index,
+        callbacks=callbacks,
+        save_strategy="steps",
+        save_steps=a.save_steps,
+    )
     resume = None
     if a.resume:
         from transformers.trainer_utils import get_last_checkpoint
@@ -134,10 +163,16 @@ def main() -> None:
     r = int(os.environ.get("RANK", "0"))
     lora = {n: t.detach().clone() for n, t in trainer.model.named_parameters() if "lora_" in n}
     torch.save(lora, out / f"lora_rank{r}.pt")
-    (out / f"result_rank{r}.json").write_text(json.dumps({
-        "quarantine": forensics.quarantine.state_dict(), "skipped": skip.skipped_steps,
-        "resumed_from": resume, "global_step": trainer.state.global_step,
-    }))
+    (out / f"result_rank{r}.json").write_text(
+        json.dumps(
+            {
+                "quarantine": forensics.quarantine.state_dict(),
+                "skipped": skip.skipped_steps,
+                "resumed_from": resume,
+                "global_step": trainer.state.global_step,
+            }
+        )
+    )
     from hf_stable.distributed import shutdown
 
     shutdown()
