@@ -171,3 +171,10 @@ def test_audit_exclude_leaves_the_quarantined_records_out(tmp_path, tokenizer):
     tok_dir = tmp_path / "tok"
     tokenizer.save_pretrained(tok_dir)
     assert main([train, "--tokenizer", str(tok_dir), "--exclude", str(q), "--json"]) == 0
+
+
+def test_quarantine_off_survives_yaml_reading_it_as_false():
+    from hf_stable.config import load_config
+
+    assert load_config(argv=["--data.quarantine", "off"]).data.quarantine == "off"
+    assert load_config(argv=[]).data.quarantine == "auto"  # the recipe's default

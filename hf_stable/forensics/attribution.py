@@ -11,8 +11,8 @@ A sample is a culprit when
 * its loss relative to the step's median (a scale that does not drift as training lowers the loss) is a robust
   outlier: ``z = (ratio - median) / (1.4826 MAD)`` above ``zscore`` *and* the ratio above ``median x (1 + min_rel)``.
   The reference (median, MAD) is the running distribution of healthy samples' ratios when there is one
-  (screening keeps it), else the step's own samples; a sample longer than the step's median is judged on a
-  scale shrunk by ``sqrt(median tokens / tokens)`` (a mean over many tokens is less noisy);
+  (screening keeps it), else the step's own samples, on a scale times ``sqrt(median tokens / tokens)`` (a mean
+  over many tokens is less noisy than one over a few);
 * and, when a snapshot's loss is known, the sample is an outlier there too: a sample that is fine at the
   snapshot's weights points at the weights, not the data (reported as ``weights_suspect``, not quarantined).
 
@@ -91,9 +91,9 @@ def judge(
     same answer on every rank. Sets `row.z`.
 
     A sample is judged by its loss relative to the step's median (`ratios`), against `reference` (healthy steps'
-    ratios) or, without one, the step's own ratios. A mean over many tokens is less noisy than one over a few, so a
-    sample longer than the step's median length gets a scale shrunk by ``sqrt(median tokens / tokens)``; a short
-    one keeps the reference scale (short answers are the noisy tail of a healthy run).
+    ratios) or, without one, the step's own ratios. A mean over many tokens is less noisy than one over a few, so
+    the scale is multiplied by ``sqrt(median tokens / tokens)``: a long garbage answer stands out, a short hard
+    answer (the noisy tail of a healthy run) does not.
     """
     rows = [r for r in rows if r.tokens > 0]
     if not rows:
@@ -114,7 +114,7 @@ def judge(
             continue
         if not (math.isfinite(med) and math.isfinite(x)):
             continue
-        r.z = (x - med) / (scale * math.sqrt(min(1.0, tok_med / r.tokens)))
+        r.z = (x - med) / (scale * math.sqrt(tok_med / r.tokens))
         if r.z > zscore and x > med * (1 + min_rel):
             snap = r.loss_snapshot / snap_med if snap_med > 0 else math.nan
             if math.isfinite(snap) and snap <= med * (1 + min_rel):
