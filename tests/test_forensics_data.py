@@ -178,3 +178,18 @@ def test_quarantine_off_survives_yaml_reading_it_as_false():
 
     assert load_config(argv=["--data.quarantine", "off"]).data.quarantine == "off"
     assert load_config(argv=[]).data.quarantine == "auto"  # the recipe's default
+
+
+def test_judge_names_a_long_outlier_not_a_short_hard_answer_nor_a_batch_of_nans():
+    from hf_stable.forensics.attribution import SampleRow, judge
+
+    rows = [SampleRow(k, 2.0 + 0.1 * (k % 5), 6, float("nan"), 0) for k in range(15)]
+    rows += [SampleRow(90, 6.5, 4, float("nan"), 0), SampleRow(91, 6.0, 60, float("nan"), 0)]
+    culprits, _, median = judge(rows, None, zscore=5.0, min_rel=1.0, min_excess=25.0)
+    assert [c.row.record_id for c in culprits] == [91] and median == 2.2  # 4 tokens at 3x: 17 nats, not enough
+    nans = [SampleRow(k, float("nan"), 6, float("nan"), 0) for k in range(4)] + [SampleRow(9, 2.0, 6, 0.0, 0)]
+    assert judge(nans, None, zscore=5.0, min_rel=1.0)[0] == []  # every sample NaN: the weights, not the data
+    one = [SampleRow(k, 2.0, 6, float("nan"), 0) for k in range(5)] + [SampleRow(7, float("nan"), 6, 0.0, 0)]
+    assert [(c.row.record_id, c.reason) for c in judge(one, None, zscore=5.0, min_rel=1.0)[0]] == [
+        (7, "nonfinite_loss")
+    ]

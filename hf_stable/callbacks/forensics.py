@@ -58,6 +58,10 @@ class ForensicsConfig:
     screen: bool = field(default=False, metadata={"help": "Screen every step's per-sample losses for outliers."})
     zscore: float = field(default=5.0, metadata={"help": "A culprit's robust z over the reference is above this..."})
     min_rel: float = field(default=1.0, metadata={"help": "... and its loss this fraction above the median."})
+    min_excess_nats: float = field(
+        default=25.0,
+        metadata={"help": "... and its loss above the step's median, summed over its tokens, at least this (nats)."},
+    )
     max_culprits: int = field(default=4, metadata={"help": "At most this many culprits per bad step (highest z)."})
     grad_norms: bool = field(default=True, metadata={"help": "Per-sample gradient norm of each culprit (re-run)."})
     max_grad_samples: int = field(
@@ -211,7 +215,9 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         local = torch.cat(parts) if parts else torch.zeros((0, 5), dtype=torch.float64, device=device)
         rows = gather_rows(local)
         reference = list(self._reference) if len(self._reference) >= self.cfg.min_reference else None
-        culprits, suspects, med = judge(rows, reference, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel)
+        culprits, suspects, med = judge(
+            rows, reference, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel, min_excess=self.cfg.min_excess_nats
+        )
         params = None
         if self._optimizer is not None:
             from hf_stable.callbacks.guards.snapshot import optimizer_params
@@ -290,7 +296,12 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             rows = by_step[s]
             reference = list(self._reference) if len(self._reference) >= self.cfg.min_reference else None
             culprits, _, med = judge(
-                rows, reference, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel, reason="screen_outlier"
+                rows,
+                reference,
+                zscore=self.cfg.zscore,
+                min_rel=self.cfg.min_rel,
+                min_excess=self.cfg.min_excess_nats,
+                reason="screen_outlier",
             )
             culprits = [
                 c

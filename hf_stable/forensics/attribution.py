@@ -85,6 +85,7 @@ def judge(
     *,
     zscore: float,
     min_rel: float,
+    min_excess: float = 0.0,
     reason: str = "loss_outlier",
 ) -> tuple[list[Culprit], list[SampleRow], float]:
     """(culprits, weights suspects, the step's median loss) for the rows of one step. Pure: the same rows give the
@@ -93,7 +94,8 @@ def judge(
     A sample is judged by its loss relative to the step's median (`ratios`), against `reference` (healthy steps'
     ratios) or, without one, the step's own ratios. A mean over many tokens is less noisy than one over a few, so
     the scale is multiplied by ``sqrt(median tokens / tokens)``: a long garbage answer stands out, a short hard
-    answer (the noisy tail of a healthy run) does not.
+    answer (the noisy tail of a healthy run) does not. And the sample's loss above the step's median, summed over its
+    tokens, must reach `min_excess` nats: a 4-token answer at 3x the median is a hard question as often as bad data.
     """
     rows = [r for r in rows if r.tokens > 0]
     if not rows:
@@ -115,7 +117,8 @@ def judge(
         if not (math.isfinite(med) and math.isfinite(x)):
             continue
         r.z = (x - med) / (scale * math.sqrt(tok_med / r.tokens))
-        if r.z > zscore and x > med * (1 + min_rel):
+        excess = (r.loss - step_median) * r.tokens
+        if r.z > zscore and x > med * (1 + min_rel) and excess >= min_excess:
             snap = r.loss_snapshot / snap_med if snap_med > 0 else math.nan
             if math.isfinite(snap) and snap <= med * (1 + min_rel):
                 suspects.append(r)  # fine at the snapshot's weights: the weights moved, not the data
