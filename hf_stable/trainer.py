@@ -15,6 +15,11 @@ methods behind that (`_clip_grad_norm`, `_get_grad_norm`) so that:
   version counter), so the guards judge the gradients the optimizer applies, not the ones seen here;
 * the reporting integrations (`report_to`) run after the other callbacks, so they log hf_stable's metrics
   (`hf_stable.callbacks.order_for_reporting`, which the stock Trainer needs called by hand);
+* the batch's ``record_ids`` (asked of hf_stable's collators: which training record each row / packed segment
+  is, see `hf_stable.data.identity`)
+  are taken out of the inputs before the forward - the model never sees them - and handed to the `StepTap`,
+  which keeps them with the micro-batch for the spike forensics; the train sampler skips quarantined records
+  (`hf_stable.forensics.quarantine`, only with an ``auto`` `SpikeForensics` among the callbacks);
 * a non-finite norm leaves the gradients as they are. The stock clip multiplies every gradient by
   `max_norm / NaN` = NaN, which hides which parameter went bad (the non-finite locator then needs a re-run);
   the skip guard drops such a step either way, and without guards the run is broken either way.
@@ -36,7 +41,9 @@ from transformers import Trainer
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.compat import foreach_mul_, has_mixed_mesh_grads
 from hf_stable.core.grad_stats import GradStats
+from hf_stable.core.step_tap import RECORD_IDS_KEY, StepTap
 from hf_stable.distributed import sharded_training
+from hf_stable.forensics.quarantine import wrap_train_sampler
 
 
 class StableTrainer(Trainer):
@@ -47,6 +54,8 @@ class StableTrainer(Trainer):
         order_for_reporting(self)  # reporters (TensorBoard, W&B ...) after the callbacks whose metrics they write
         if self.model is not None:  # tells the monitors their numbers are pre-clip even with max_grad_norm > 0
             GradStats.shared(self.model).pre_clip = True
+        if hasattr(self.data_collator, "return_record_ids"):  # hf_stable's collators: we take them out again
+            self.data_collator.return_record_ids = True
 
     def _reads_gradients(self, model) -> bool:
         from accelerate.utils import DistributedType
@@ -85,6 +94,16 @@ class StableTrainer(Trainer):
                 for device, grads in by_device.items():
                     foreach_mul_(grads, coef.to(device))
         return dev.global_norm
+
+    def _get_train_sampler(self, train_dataset=None):
+        sampler = super()._get_train_sampler(train_dataset)
+        return wrap_train_sampler(self, sampler, train_dataset if train_dataset is not None else self.train_dataset)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        record_ids = inputs.pop(RECORD_IDS_KEY, None) if isinstance(inputs, dict) else None
+        if record_ids is not None and self.model is not None:
+            StepTap.shared(self.model).note_record_ids(record_ids)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _clip_grad_norm(self, model):
         norm = self._shared_norm(model, self.args.max_grad_norm)

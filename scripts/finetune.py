@@ -87,9 +87,9 @@ def main(argv: list[str]) -> None:
         output.write_json("optimizer_groups.json", table)
         print_main(format_group_table(table))
 
-        # 4. stability callbacks (monitors, guards, preemption, checkpoint marker, one-line printer with disable_tqdm)
-        # and the Trainer (its grad norm comes from the monitors' one pass over the gradients)
-        callbacks = build_callbacks(cfg, args)
+        # 4. stability callbacks (monitors, guards, spike forensics, preemption, checkpoint marker, one-line printer
+        # with disable_tqdm) and the Trainer (its grad norm comes from the monitors' one pass over the gradients)
+        callbacks = build_callbacks(cfg, args, records=data.records)
         trainer = StableTrainer(
             model=model,
             args=args,

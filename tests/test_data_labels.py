@@ -160,7 +160,7 @@ def test_eos_in_answer_text_is_not_doubled(tokenizer):
 
 def test_trailing_newline_or_not_teaches_the_same_ending(tokenizer):
     a, b = _encode(tokenizer, [ROWS[0], {**ROWS[0], "output": "5"}])[0]
-    assert a == {**b, "line": a["line"]}
+    assert a == {**b, "line": a["line"], "record_id": a["record_id"]}
 
 
 def test_reference_answer_is_cleaned_and_stripped():
@@ -241,7 +241,7 @@ def test_build_data_on_embedded_like_data(tokenizer, tmp_path):
         packing=False,
     )
     data = build_data(cfg, tokenizer, output_dir=str(tmp_path / "out"))
-    assert data.train_dataset.column_names == ["input_ids", "labels"] and len(data.train_dataset) == 120
+    assert data.train_dataset.column_names == ["input_ids", "labels", "record_id"] and len(data.train_dataset) == 120
     assert len(data.eval_dataset) == 12 and len(data.eval_records) == 12
     assert data.eval_records[0]["family"] == evals[0]["family"]  # extra keys kept
     assert reference_answer(data.eval_records[0]) == evals[0]["output"].strip()

@@ -9,6 +9,7 @@ from hf_stable.callbacks.guards.qk_clip_callback import QKClipCallback
 from hf_stable.callbacks.monitors import build_monitors
 from hf_stable.callbacks.monitors.attention_monitor_callback import IMPLEMENTATION, AttentionMonitorCallback
 from hf_stable.callbacks.preemption_callback import PreemptionCallback
+from hf_stable.callbacks.spike_forensics import build_forensics
 
 
 def build_attention_callbacks(cfg) -> list:
@@ -28,14 +29,16 @@ def runtime_callbacks(runtime) -> list:
     return [PreemptionCallback(runtime.preemption), CheckpointMarker()]
 
 
-def build_callbacks(cfg, args=None) -> list:
+def build_callbacks(cfg, args=None, records=None) -> list:
     """Every callback the recipe adds, for `Trainer(callbacks=...)`: the monitors, the guards, the attention
-    callbacks, preemption handling, the checkpoint marker and, when `args.disable_tqdm`, the one-line
+    callbacks, spike forensics (given `records`), preemption handling, the checkpoint marker and, when `args.disable_tqdm`, the one-line
     `CompactPrinter` (`order_for_reporting`, which `StableTrainer` calls, then drops the Trainer's own printer).
 
     Args:
         cfg: a `RunConfig`.
         args: the run's `TrainingArguments` (optional; only `disable_tqdm` is read).
+        records: the `RecordTable` of the training data (`build_data(...).records`); with it, spike forensics
+            names the records behind bad steps and quarantines them (`data.quarantine`, `data.screen`).
 
     Example:
         >>> trainer = StableTrainer(model=model, args=args, callbacks=[my_callback, *build_callbacks(cfg, args)])
@@ -45,6 +48,8 @@ def build_callbacks(cfg, args=None) -> list:
     callbacks += build_monitors(stability.monitors)  # empty when monitors.enabled is false
     callbacks += build_guards(stability.guards, training=cfg.training)  # likewise
     callbacks += build_attention_callbacks(cfg.attention)
+    if records is not None:
+        callbacks += build_forensics(cfg.data, records, callbacks)  # bad steps -> culprit records, quarantine
     callbacks += runtime_callbacks(cfg.runtime)
     if args is not None and getattr(args, "disable_tqdm", False):
         callbacks.append(CompactPrinter())

@@ -118,6 +118,9 @@ def coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         problems.append(f"{key}: got {show(value)}, expected {_type_name(tp)}")
         return _MISSING
     if origin is Literal:
+        word = ("on" if value else "off") if isinstance(value, bool) else None
+        if word is not None and word in get_args(tp):  # YAML 1.1 reads a bare off / on as a boolean
+            return word
         if value in get_args(tp):
             return value
         problems.append(f"{key}: got {show(value)}, allowed: {_type_name(tp)}")

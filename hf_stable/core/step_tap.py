@@ -7,7 +7,9 @@ recover both, at the cost of one Python call per forward and no device sync:
   `GradStats` transfer (summed over ranks there). Unlike the Trainer's logged `loss`, it is per step and is
   not hidden when non-finite (`logging_nan_inf_filter` replaces a NaN loss by the running mean);
 * the **inputs** of every micro-batch (references, no copy), so the non-finite locator can re-run the step;
-* the **token count** (input shape, padding included; exact for padding-free packed batches).
+* the **token count** (input shape, padding included; exact for padding-free packed batches);
+* the **record ids** of every micro-batch (``record_ids``, which `StableTrainer` takes out of the inputs before
+  the forward and hands over with `note_record_ids`), aligned with `inputs`, for the spike forensics.
 
 Only forwards in training mode with grad enabled are recorded (evaluation and generation are ignored).
 
@@ -27,6 +29,7 @@ import weakref
 import torch
 
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+RECORD_IDS_KEY = "record_ids"  # the batch key the train collators use (see hf_stable.data.identity)
 
 
 def _loss_of(output):
@@ -55,11 +58,14 @@ class StepTap:
         self._handles: list = []
         self._paused = False
         self.inputs: list[tuple[tuple, dict]] = []
+        self.record_ids: list[torch.Tensor | None] = []  # per entry of `inputs`
+        self._pending_ids: torch.Tensor | None = None
         self.tokens = 0
         self._num: torch.Tensor | None = None
         self._den = 0.0
         self.n_losses = 0
         self._stats = None  # the model's GradStats, which transfers our loss sums
+        self._output_listeners: list = []
 
     @classmethod
     def shared(cls, model: torch.nn.Module) -> StepTap:
@@ -95,6 +101,7 @@ class StepTap:
     def begin_step(self) -> None:
         """Forget the previous step (called from `on_step_begin`; calling it twice is harmless)."""
         self.inputs = []
+        self.record_ids = []
         self.tokens = 0
         self._num, self._den, self.n_losses = None, 0.0, 0
         if self._stats is not None:
@@ -117,13 +124,25 @@ class StepTap:
         with self.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
             yield
 
+    def add_output_listener(self, fn) -> None:
+        """`fn(kwargs, output, record_ids)` after every recorded training forward (e.g. per-sample screening, which
+        reads the logits the forward produced); registering the same function twice has no effect."""
+        if fn not in self._output_listeners:
+            self._output_listeners.append(fn)
+
+    def note_record_ids(self, record_ids: torch.Tensor | None) -> None:
+        """The record ids of the micro-batch about to be forwarded (kept with its inputs by the next forward)."""
+        self._pending_ids = record_ids
+
     def _recording(self, module) -> bool:
         return not self._paused and module.training and torch.is_grad_enabled()
 
     def _pre_hook(self, module, args, kwargs):
+        pending, self._pending_ids = self._pending_ids, None
         if not self._recording(module):
             return None
         self.inputs.append((args, kwargs))
+        self.record_ids.append(pending)
         ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
         if isinstance(ids, torch.Tensor):
             self.tokens += ids.numel()
@@ -134,6 +153,8 @@ class StepTap:
     def _post_hook(self, module, args, kwargs, output):
         if not self._recording(module):
             return None
+        for fn in self._output_listeners:
+            fn(kwargs, output, self.record_ids[-1] if self.record_ids else None)
         loss = _loss_of(output)
         if loss is None:
             return None

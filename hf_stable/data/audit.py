@@ -22,6 +22,7 @@ import sys
 
 from hf_stable.data.collators import pack_rows
 from hf_stable.data.duplicates import duplicate_stats
+from hf_stable.data.identity import exclude_records, read_exclusions
 from hf_stable.data.prompts import answer_text, eos_id, prompt_messages, resolve_template
 from hf_stable.data.records import ReadResult, read_records
 from hf_stable.data.samples import IGNORE_INDEX, EncodeStats, encode_records
@@ -175,8 +176,10 @@ def audit_dataset(
     seed: int = 0,
     vocab_size: int | None = None,
     config_field: str = "data.train_file",
+    exclude=None,
 ) -> dict:
-    """Audit one JSONL file as the trainer would see it under `cfg` (a `DataConfig`; defaults if None).
+    """Audit one JSONL file as the trainer would see it under `cfg` (a `DataConfig`; defaults if None), without the
+    records `exclude` names (a quarantine file or a list of file:line / hashes, see `read_exclusions`).
 
     Raises:
         DataError: as `read_records` / `encode_records` (bad lines unless ``on_bad_record: skip``).
@@ -192,6 +195,7 @@ def audit_dataset(
     read = read_records(
         path, config_field=config_field, format=cfg.format, on_bad_record=cfg.on_bad_record, clean=cfg.clean
     )
+    exclude_records(read, read_exclusions(exclude))
     samples, enc = encode_records(
         tokenizer, read.records, max_length=cfg.max_length, template=template, vocab_size=vocab_size
     )
@@ -244,6 +248,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--template", choices=["auto", "chat_template", "alpaca"], default="auto")
     p.add_argument("--format", choices=["auto", "alpaca", "chat"], default="auto")
     p.add_argument("--skip-bad", action="store_true", help="skip and count bad lines (data.on_bad_record: skip)")
+    p.add_argument("--exclude", default=None, help="a quarantine.jsonl (or a list of file:line / hashes) to leave out")
     return p
 
 
@@ -269,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if args.max_length:
         cfg.max_length = args.max_length
-    audit = audit_dataset(args.data, tok, cfg, batch_size=args.batch_size, config_field="DATA")
+    audit = audit_dataset(
+        args.data, tok, cfg, batch_size=args.batch_size, config_field="DATA", exclude=args.exclude
+    )
     if args.json:
         print(json.dumps(audit, ensure_ascii=False))
     else:

@@ -15,6 +15,7 @@ from typing import Any
 
 from hf_stable.data.audit import packing_row_tokens, summarize
 from hf_stable.data.collators import PackingCollator, PaddingCollator
+from hf_stable.data.identity import RecordTable, exclude_records, read_exclusions
 from hf_stable.data.prompts import eos_id, resolve_template
 from hf_stable.data.records import read_records
 from hf_stable.data.samples import encode_records
@@ -41,6 +42,9 @@ class DataBundle:
         stats: ``{"train": {...}, "eval": {...}}`` counts read / cleaned / kept / dropped by reason.
         template: the prompt template in use (``"chat_template"`` or ``"alpaca"``).
         format: the record format of the train file (``"alpaca"`` or ``"chat"``).
+        records: the train file's `RecordTable` (``record_id`` -> file:line, hash, preview); the train dataset
+            carries a ``record_id`` column, and `StableTrainer` turns on the collator's ``return_record_ids`` (a
+            stock Trainer would pass them to the model's forward).
     """
 
     train_dataset: Any
@@ -52,6 +56,7 @@ class DataBundle:
     stats: dict = field(default_factory=dict)
     template: str = "alpaca"
     format: str = "alpaca"
+    records: RecordTable = field(default_factory=RecordTable)
 
 
 def _stats(read, enc) -> dict:
@@ -103,10 +108,18 @@ def build_data(
     eos = eos_id(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
-    def load(path: str, config_field: str):
+    exclusions = read_exclusions(getattr(cfg, "exclude_file", None))
+
+    def load(path: str, config_field: str, train: bool = False):
         read = read_records(
             path, config_field=config_field, format=cfg.format, on_bad_record=cfg.on_bad_record, clean=cfg.clean
         )
+        if train:
+            n_excluded = exclude_records(read, exclusions)
+            if n_excluded:
+                logger.info("data.exclude_file: %d records of %s left out", n_excluded, path)
+            if not read.records:
+                raise DataError(f"data.exclude_file excludes every record of {path}; nothing left to train on")
         samples, enc = encode_records(
             tokenizer, read.records, max_length=cfg.max_length, template=template, vocab_size=vocab_size
         )
@@ -121,12 +134,12 @@ def build_data(
                 read, samples, enc, cfg, eos_token_id=eos, batch_size=batch_size, seed=seed, template=template,
                 path=str(path),
             )
-        ds = Dataset.from_dict(
-            {"input_ids": [s["input_ids"] for s in samples], "labels": [s["labels"] for s in samples]}
-        )
-        return read, enc, ds, audit
+        columns = {"input_ids": [s["input_ids"] for s in samples], "labels": [s["labels"] for s in samples]}
+        if train:
+            columns["record_id"] = [s["record_id"] for s in samples]
+        return read, enc, Dataset.from_dict(columns), audit
 
-    train_read, train_enc, train_ds, train_audit = load(cfg.train_file, "data.train_file")
+    train_read, train_enc, train_ds, train_audit = load(cfg.train_file, "data.train_file", train=True)
     stats = {"train": _stats(train_read, train_enc), "eval": None}
     audit: dict = {"train": train_audit, "eval": None} if cfg.audit else {}
     eval_ds, eval_records = None, []
@@ -159,4 +172,5 @@ def build_data(
         stats=stats,
         template=template,
         format=train_read.format,
+        records=RecordTable.from_records(train_read.records),
     )

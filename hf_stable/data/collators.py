@@ -26,6 +26,11 @@ def _as_list(x) -> list:
     return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
+def _record_id(feature) -> int:
+    rid = feature.get("record_id") if hasattr(feature, "get") else None
+    return -1 if rid is None else int(rid)
+
+
 def _round_up(n: int, multiple: int | None) -> int:
     return n if not multiple else -(-n // multiple) * multiple
 
@@ -68,6 +73,8 @@ class PaddingCollator:
         pad_token_id: id written into padding positions (may equal the EOS id: labels there are -100 by position).
         pad_to_multiple_of: round the padded length up to a multiple (tensor-core friendly shapes).
         padding_side: ``"right"`` (training) or ``"left"`` (batched generation).
+        return_record_ids: also return ``record_ids`` (``[B]``, each row's ``record_id``, -1 when a feature has
+            none); `StableTrainer` takes it out before the forward (see ``identity.py``).
 
     Raises:
         DataError: when a batch has no supervised token at all.
@@ -78,9 +85,16 @@ class PaddingCollator:
         True
     """
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, padding_side: str = "right"):
+    def __init__(
+        self,
+        pad_token_id: int,
+        pad_to_multiple_of: int | None = None,
+        padding_side: str = "right",
+        return_record_ids: bool = False,
+    ):
         if padding_side not in ("right", "left"):
             raise ValueError(f"padding_side: got {padding_side!r}, must be 'right' or 'left'")
+        self.return_record_ids = return_record_ids
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.padding_side = padding_side
@@ -104,11 +118,14 @@ class PaddingCollator:
                 lab_out.append([IGNORE_INDEX] * extra + lab)
                 mask_out.append([0] * extra + [1] * len(r))
         _check_supervised(n_sup, len(rows))
-        return {
+        batch = {
             "input_ids": torch.tensor(ids_out, dtype=torch.long),
             "attention_mask": torch.tensor(mask_out, dtype=torch.long),
             "labels": torch.tensor(lab_out, dtype=torch.long),
         }
+        if self.return_record_ids:
+            batch["record_ids"] = torch.tensor([_record_id(f) for f in features], dtype=torch.long)
+        return batch
 
 
 class PackingCollator:
@@ -126,6 +143,9 @@ class PackingCollator:
             packing fast there (`benchmarks/packing.py`: 1.8x vs padded on CPU, one row: 1.3x).
         return_flash_attn_kwargs: also return ``cu_seq_lens_q/k`` (over the flattened rows, tail segments included)
             and ``max_length_q/k``.
+        return_record_ids: also return ``record_ids``: one per segment of the flattened rows, in the order of the
+            ``position_ids`` restarts (-1 for a tail padding segment); `StableTrainer` takes it out before the
+            forward.
 
     Raises:
         DataError: when a batch has no supervised token at all.
@@ -143,7 +163,9 @@ class PackingCollator:
         pad_to_multiple_of: int | None = None,
         max_row_tokens: int | None = None,
         return_flash_attn_kwargs: bool = True,
+        return_record_ids: bool = False,
     ):
+        self.return_record_ids = return_record_ids
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.max_row_tokens = max_row_tokens
@@ -159,17 +181,18 @@ class PackingCollator:
             if r:
                 lab = _as_list(f["labels"]) if "labels" in f else r
                 n_sup += sum(1 for x in lab[1:] if x != IGNORE_INDEX)
-                samples.append((r, lab))
+                samples.append((r, lab, _record_id(f)))
         _check_supervised(n_sup, len(features))
-        rows = pack_rows([len(r) for r, _ in samples], self.max_row_tokens)
+        rows = pack_rows([len(r) for r, _, _ in samples], self.max_row_tokens)
         width = _round_up(max(sum(len(samples[i][0]) for i in row) for row in rows), self.pad_to_multiple_of)
-        ids_out, lab_out, pos_out, seg_lens = [], [], [], []
+        ids_out, lab_out, pos_out, seg_lens, seg_ids = [], [], [], [], []
         for row in rows:
             ids: list[int] = []
             labels: list[int] = []
             positions: list[int] = []
             for i in row:
-                r, lab = samples[i]
+                r, lab, rid = samples[i]
+                seg_ids.append(rid)
                 ids.extend(r)
                 labels.append(IGNORE_INDEX)
                 labels.extend(lab[1:])
@@ -181,6 +204,7 @@ class PackingCollator:
                 labels.extend([IGNORE_INDEX] * extra)
                 positions.extend(range(extra))
                 seg_lens.append(extra)
+                seg_ids.append(-1)
             ids_out.append(ids)
             lab_out.append(labels)
             pos_out.append(positions)
@@ -189,6 +213,8 @@ class PackingCollator:
             "labels": torch.tensor(lab_out, dtype=torch.long),
             "position_ids": torch.tensor(pos_out, dtype=torch.long),
         }
+        if self.return_record_ids:
+            batch["record_ids"] = torch.tensor(seg_ids, dtype=torch.long)
         if self.return_flash_attn_kwargs:
             cu = [0]
             for n in seg_lens:

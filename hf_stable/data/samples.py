@@ -83,7 +83,8 @@ def encode_records(
     vocab_size: int | None = None,
     chunk: int = 1024,
 ) -> tuple[list[dict], EncodeStats]:
-    """Tokenize records into ``{"input_ids", "labels", "line"}`` samples.
+    """Tokenize records into ``{"input_ids", "labels", "line", "record_id"}`` samples (``record_id``: the record's
+    index in `records`, i.e. in the run's `RecordTable`).
 
     Args:
         tokenizer: a (fast) tokenizer with an EOS token.
@@ -103,7 +104,7 @@ def encode_records(
         part = records[start : start + chunk]
         prompts = encode_prompts(tokenizer, [r.data for r in part], template)
         answers = encode_answers(tokenizer, [r.data for r in part])
-        for rec, p, a in zip(part, prompts, answers):
+        for k, (rec, p, a) in enumerate(zip(part, prompts, answers)):
             built = build_sample(p, a, max_length)
             if built is None:
                 stats.dropped["no_supervised_token"] += 1
@@ -116,6 +117,6 @@ def encode_records(
             ids, labels, truncated = built
             check_vocab(ids, vocab, rec.where)
             stats.n_truncated += truncated
-            samples.append({"input_ids": ids, "labels": labels, "line": rec.line})
+            samples.append({"input_ids": ids, "labels": labels, "line": rec.line, "record_id": start + k})
     stats.n_kept = len(samples)
     return samples, stats

@@ -21,6 +21,7 @@ from hf_stable.checkpoints import list_checkpoints
 from hf_stable.core.events import EVENTS_FILE, read_events
 from hf_stable.errors import HfStableError
 from hf_stable.reporting import stability_plots
+from hf_stable.reporting.suspect_data import plot_bad_step_losses, suspect_markdown
 
 REPORT_DIR = "report"
 REPORT_FILE = "stability_report.md"
@@ -133,6 +134,9 @@ def _build(output_dir: Path, history: list[dict], events: list[dict], link_prefi
     glance = _glance(history)
     lines += glance or ["The log history holds no monitor metrics (were the hf_stable monitors on?)."]
     lines += ["", "### Events", "", *_events_markdown(events)]
+    suspects = suspect_markdown(output_dir, events)
+    if suspects:
+        lines += ["", "### Suspect data", "", *suspects]
     if plots:
         folder = output_dir / REPORT_DIR
         drawn = [
@@ -140,6 +144,7 @@ def _build(output_dir: Path, history: list[dict], events: list[dict], link_prefi
             ("learning rate", stability_plots.plot_lr(history, folder / "learning_rate.png")),
             ("gradient norms per group", stability_plots.plot_grad_norms(history, events, folder / "grad_norms.png")),
             ("memory", stability_plots.plot_memory(history, folder / "memory.png")),
+            ("per-sample loss of bad steps", plot_bad_step_losses(events, folder / "bad_step_samples.png")),
         ]
         drawn = [(title, path) for title, path in drawn if path is not None]
         if drawn:

@@ -1,0 +1,373 @@
+"""`SpikeForensics`: name the training records behind every bad step, quarantine them, and (``auto``) never train
+on them again - on every rank, across resumes.
+
+* **Attribution** (`hf_stable.forensics.attribution`): when the skip guard skips a step (non-finite, grad or loss
+  spike, loss rise - the steps a rollback counts), the step's captured micro-batches are re-run without grad for
+  every sample's own loss, at the current weights and at the rollback snapshot's when one is kept; the rows are
+  gathered over ranks and every rank names the same culprits. Each culprit's gradient norm (the sample alone) is
+  added as evidence. Cost: only on bad steps - one forward of the step (two with a snapshot) plus one
+  forward/backward per culprit.
+* **Screening** (``data.screen: true``): every training forward's per-sample losses are computed on device from
+  its logits and kept on device; every `screen_every` steps (and before a checkpoint, so a resume sees the same
+  decisions) they are gathered once and judged against the running distribution of healthy per-sample losses.
+  Outliers go through the same quarantine; the rest feed the distribution. No host sync on the other steps.
+* **Quarantine** (`hf_stable.forensics.quarantine`): ``quarantine.jsonl`` in the output dir and a
+  ``samples_quarantined`` event; with ``auto`` the train sampler (`StableTrainer._get_train_sampler`) skips the
+  records from the sampler position they were named at. The quarantine is in the callback state (checkpoints).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.core.step_tap import StepTapUser
+from hf_stable.distributed import all_gather_tensor, all_reduce_tensor, rank
+from hf_stable.forensics.attribution import (
+    Culprit,
+    SampleRow,
+    culprit_grad_norms,
+    gather_rows,
+    grad_outliers,
+    judge,
+    local_sample_losses,
+    ratios,
+    sample_grad_norms,
+)
+from hf_stable.forensics.quarantine import Entry, Quarantine
+from hf_stable.forensics.sample_loss import per_sample_loss
+
+FORENSICS_EVENT_KINDS = {
+    "samples_quarantined": "training records named as the culprits of a bad step (quarantine.jsonl)",
+    "step_forensics": "per-sample losses of a bad step against the healthy distribution",
+}
+
+
+@dataclass
+class ForensicsConfig:
+    """Settings of `SpikeForensics` (the user-facing keys are ``data.quarantine`` and ``data.screen``)."""
+
+    quarantine: Literal["auto", "report", "off"] = field(
+        default="auto", metadata={"help": "auto: never sample culprits again; report: file only; off: nothing."}
+    )
+    screen: bool = field(default=False, metadata={"help": "Screen every step's per-sample losses for outliers."})
+    zscore: float = field(default=5.0, metadata={"help": "A culprit's robust z over the reference is above this..."})
+    min_rel: float = field(default=1.0, metadata={"help": "... and its loss this fraction above the median."})
+    min_excess_nats: float = field(
+        default=25.0,
+        metadata={"help": "... and its loss above the step's median, summed over its tokens, at least this (nats)."},
+    )
+    max_culprits: int = field(default=4, metadata={"help": "At most this many culprits per bad step (highest z)."})
+    grad_norms: bool = field(default=True, metadata={"help": "Per-sample gradient norm of each culprit (re-run)."})
+    max_grad_samples: int = field(
+        default=64, metadata={"help": "A gradient spike with no loss outlier: re-run up to this many samples alone."}
+    )
+    window: int = field(
+        default=1024, metadata={"help": "Healthy samples' loss / step-median ratios kept as the reference."}
+    )
+    min_reference: int = field(
+        default=64, metadata={"help": "Healthy per-sample losses needed before they are the reference."}
+    )
+    screen_every: int = field(default=8, metadata={"help": "Screening decisions every N steps (one gather)."})
+
+    @classmethod
+    def from_data(cls, data) -> ForensicsConfig:
+        return cls(quarantine=data.quarantine, screen=bool(data.screen))
+
+
+def _num(x: float) -> float | str:
+    return round(x, 6) if math.isfinite(x) else str(x)
+
+
+def _where(records, record_id: int) -> tuple[str, str, str]:
+    info = records.get(record_id) if records is not None else None
+    return (info.where, info.hash, info.preview) if info is not None else (f"record {record_id}", "", "")
+
+
+class SpikeForensics(StepTapUser, StabilityCallback):
+    """Names the records behind bad steps and quarantines them; events `step_forensics`, `samples_quarantined`.
+
+    Args:
+        cfg: a `ForensicsConfig` (``quarantine: off`` disables the callback).
+        records: the run's `RecordTable` (`DataBundle.records`), which names record ids by file:line.
+
+    Example:
+        >>> forensics = SpikeForensics(ForensicsConfig(), data.records).attach(callbacks)
+        >>> trainer = StableTrainer(..., callbacks=callbacks + [forensics])
+    """
+
+    def __init__(self, cfg: ForensicsConfig, records=None):
+        super().__init__(cfg.quarantine != "off")
+        self.cfg = cfg
+        self.records = records
+        self.quarantine = Quarantine(cfg.quarantine)
+        self.sampler = None  # the QuarantineSampler, set by StableTrainer
+        self._reference: deque[float] = deque(maxlen=cfg.window)
+        self._skip = None
+        self._rollback = None
+        self._model = self._optimizer = self._args = None
+        self._step = 0
+        self._bad_steps: set[int] = set()
+        self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def attach(self, callbacks) -> SpikeForensics:
+        """Listen to the skip guard among `callbacks` (and read the rollback guard's snapshot); returns self."""
+        from hf_stable.callbacks.guards.rollback_guard import RollbackGuard
+        from hf_stable.callbacks.guards.skip_guard import SkipGuard
+
+        for cb in callbacks:
+            if isinstance(cb, SkipGuard) and self._skip is None:
+                self._skip = cb
+                cb.add_listener(self._on_verdict)
+            elif isinstance(cb, RollbackGuard):
+                self._rollback = cb
+        return self
+
+    # --- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {**self.quarantine.state_dict(), "reference": list(self._reference)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.quarantine.load_state_dict(state)
+        self._reference = deque((float(x) for x in state.get("reference", [])), maxlen=self.cfg.window)
+
+    # --- Trainer hooks -------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        super().on_train_begin(args, state, control, model=model, optimizer=optimizer, **kwargs)
+        if not self.enabled:
+            return
+        self._model, self._optimizer, self._args = model, optimizer, args
+        self.quarantine.output_dir = args.output_dir if state.is_world_process_zero else None
+        tap = self._use_step_tap(model)
+        if tap is not None and self.cfg.screen:
+            tap.add_output_listener(self._screen_forward)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        super().on_step_begin(args, state, control, **kwargs)
+        self._step = state.global_step + 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.enabled and self.cfg.screen:
+            step = state.global_step
+            # rank-agreed: the step number and the Trainer's save/stop flags (set identically on every rank)
+            if step % self.cfg.screen_every == 0 or control.should_save or control.should_training_stop:
+                self._flush_screen(step)
+        super().on_step_end(args, state, control, **kwargs)
+
+    # --- attribution of a bad step -------------------------------------------------------------------------
+    def _on_verdict(self, verdict) -> None:
+        if not self.enabled or not verdict.skip or self._model is None or self._tap is None:
+            return
+        self._bad_steps.add(verdict.step)
+        self._attribute(verdict.step, list(verdict.reasons))
+
+    def _snapshot_losses(self, per_now) -> list[torch.Tensor] | None:
+        """Per-sample losses at the rollback snapshot's weights (live weights restored), or None without one."""
+        rb = self._rollback
+        store = getattr(rb, "_store", None)
+        if store is None or store.empty or self._optimizer is None:
+            return None
+        from hf_stable.core.snapshot import optimizer_params
+
+        snap = store.load()
+        params = optimizer_params(self._optimizer)
+        if snap is None or len(snap["params"]) != len(params):
+            return None
+        current = [p.detach().to("cpu", copy=True) for p in params]
+        try:
+            with torch.no_grad():
+                for p, w in zip(params, snap["params"]):
+                    p.copy_(w)
+            at_snap = local_sample_losses(self._model, self._tap, self._args)
+        finally:
+            with torch.no_grad():
+                for p, w in zip(params, current):
+                    p.copy_(w)
+        if [x[0] for x in at_snap] != [x[0] for x in per_now]:
+            return None
+        return [x[3][0] for x in at_snap]
+
+    def _attribute(self, step: int, step_reasons: list[str]) -> None:
+        device = next(self._model.parameters()).device
+        try:
+            per = local_sample_losses(self._model, self._tap, self._args)
+            snap = self._snapshot_losses(per)
+        except Exception:  # noqa: BLE001 - e.g. out of memory: this rank brings no rows, the collectives still run
+            per, snap = [], None
+        parts, located = [], {}
+        me = float(rank())
+        for k, (mb, _n, ids, stacked) in enumerate(per):
+            ids_f = ids.to(device, torch.float64)
+            snap_loss = snap[k].to(device, torch.float64) if snap is not None else torch.full_like(ids_f, math.nan)
+            parts.append(
+                torch.stack(
+                    [ids_f, stacked[0].double(), stacked[1].double(), snap_loss, torch.full_like(ids_f, me)], dim=1
+                )
+            )
+            for seg, rid in enumerate(ids.tolist()):
+                if rid >= 0:
+                    located[rid] = (mb, seg)
+        local = torch.cat(parts) if parts else torch.zeros((0, 5), dtype=torch.float64, device=device)
+        rows = gather_rows(local)
+        reference = list(self._reference) if len(self._reference) >= self.cfg.min_reference else None
+        culprits, suspects, med = judge(
+            rows, reference, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel, min_excess=self.cfg.min_excess_nats
+        )
+        params = None
+        if self._optimizer is not None:
+            from hf_stable.core.snapshot import optimizer_params
+
+            params = optimizer_params(self._optimizer)
+        by_grad = (
+            not culprits
+            and params is not None
+            and {"grad_spike", "nonfinite"} & set(step_reasons)
+            and 0 < len(rows) <= self.cfg.max_grad_samples
+        )  # agreed: the gathered table and the verdict
+        if by_grad:
+            live = [r for r in rows if r.tokens > 0]
+            norms = sample_grad_norms(self._model, params, self._tap, located, live, self._args)
+            culprits = grad_outliers(live, norms, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel)
+        culprits = sorted(culprits, key=lambda c: -c.row.z)[: self.cfg.max_culprits]
+        culprits = [c for c in culprits if c.row.record_id not in self.quarantine]
+        if self.cfg.grad_norms and culprits and params is not None and not by_grad:
+            culprit_grad_norms(self._model, params, self._tap, located, culprits, self._args)
+        live = [r for r in rows if r.tokens > 0]
+        top = sorted(zip(live, ratios(live)), key=lambda rx: -rx[0].loss if math.isfinite(rx[0].loss) else -math.inf)
+        self.event(
+            step,
+            "step_forensics",
+            f"step {step} ({', '.join(step_reasons)}): {len(rows)} samples re-run, median loss {med:.4g}; "
+            f"{len(culprits)} culprit(s)"
+            + (f", {len(suspects)} fine at the snapshot's weights (the weights, not the data)" if suspects else ""),
+            severity="info",
+            step_median=med,
+            step_reasons=step_reasons,
+            samples=[[_where(self.records, r.record_id)[0], _num(r.loss), _num(x), _num(r.z)] for r, x in top[:32]],
+            healthy=[_num(x) for x in list(self._reference)[-256:]],
+        )
+        self._quarantine(step, culprits, med, step_reasons)
+
+    # --- screening -----------------------------------------------------------------------------------------
+    def _screen_forward(self, kwargs, output, record_ids) -> None:
+        logits = getattr(output, "logits", None)
+        labels = kwargs.get("labels")
+        if record_ids is None or logits is None or not isinstance(labels, torch.Tensor):
+            return
+        with torch.no_grad():
+            loss, count = per_sample_loss(logits.detach(), labels, kwargs.get("position_ids"), len(record_ids))
+        self._buffer.append((self._step, record_ids.to(loss.device), loss, count))
+
+    def _flush_screen(self, step: int) -> None:
+        device = next(self._model.parameters()).device if self._model is not None else torch.device("cpu")
+        parts = [
+            torch.stack(
+                [
+                    torch.full_like(loss, s, dtype=torch.float64),
+                    ids.double(),
+                    loss.double(),
+                    count.double(),
+                    torch.full_like(loss, float(rank()), dtype=torch.float64),
+                ],
+                dim=1,
+            )
+            for s, ids, loss, count in self._buffer
+        ]
+        self._buffer = []
+        local = torch.cat(parts).to(device) if parts else torch.zeros((0, 5), dtype=torch.float64, device=device)
+        n = torch.tensor([float(local.shape[0])], device=device)
+        n_max = int(all_reduce_tensor(n, "max").item())  # every rank, every flush step: rank-agreed
+        if n_max == 0:
+            return
+        padded = torch.full((n_max, 5), -1.0, dtype=torch.float64, device=device)
+        padded[: local.shape[0]] = local
+        table = [r for r in all_gather_tensor(padded).reshape(-1, 5).tolist() if r[1] >= 0 and r[0] >= 0]
+        by_step: dict[int, list[SampleRow]] = {}
+        for s, rid, loss, count, rk in table:
+            by_step.setdefault(int(s), []).append(SampleRow(int(rid), loss, int(count), math.nan, int(rk)))
+        for s in sorted(by_step):
+            if s in self._bad_steps:  # attributed already; not healthy either
+                continue
+            rows = by_step[s]
+            reference = list(self._reference) if len(self._reference) >= self.cfg.min_reference else None
+            culprits, _, med = judge(
+                rows,
+                reference,
+                zscore=self.cfg.zscore,
+                min_rel=self.cfg.min_rel,
+                min_excess=self.cfg.min_excess_nats,
+                reason="screen_outlier",
+            )
+            culprits = [
+                c
+                for c in sorted(culprits, key=lambda c: -c.row.z)[: self.cfg.max_culprits]
+                if c.row.record_id not in self.quarantine
+            ]
+            named = {c.row.record_id for c in culprits}
+            live = [r for r in rows if r.tokens > 0]
+            self._reference.extend(
+                x for r, x in zip(live, ratios(live)) if math.isfinite(x) and r.record_id not in named
+            )
+            self._quarantine(s, culprits, med, ["screen"])
+        self._bad_steps = {b for b in self._bad_steps if b > step}
+
+    # --- the quarantine ------------------------------------------------------------------------------------
+    def _quarantine(self, step: int, culprits: list[Culprit], median: float, step_reasons: list[str]) -> None:
+        if not culprits:
+            return
+        position = 0.0
+        if self.sampler is not None:
+            position = float(self.sampler.position)
+        pos = torch.tensor([position], dtype=torch.float64)
+        position = int(all_reduce_tensor(pos, "max").item())  # entered by every rank: the culprit list is agreed
+        epoch = self.sampler.epoch if self.sampler is not None else 0
+        names = []
+        for c in culprits:
+            where, digest, preview = _where(self.records, c.row.record_id)
+            evidence = {
+                "loss": c.row.loss,
+                "z": c.row.z,
+                "tokens": c.row.tokens,
+                "step_median": median,
+                "loss_at_snapshot": c.row.loss_snapshot,
+                "grad_norm": c.grad_norm,
+                "step_reasons": step_reasons,
+            }
+            evidence = {k: _num(v) if isinstance(v, float) else v for k, v in evidence.items()}
+            entry = Entry(
+                record_id=c.row.record_id,
+                where=where,
+                hash=digest,
+                step=step,
+                reason=c.reason,
+                preview=preview,
+                evidence=evidence,
+                epoch=epoch,
+                position=position,
+            )
+            if self.quarantine.add(entry):
+                names.append(f"{where} ({c.reason}, loss {c.row.loss:.4g}, z {c.row.z:.3g})")
+        if names:
+            action = (
+                "never sampled again" if self.cfg.quarantine == "auto" else "reported only (data.quarantine: report)"
+            )
+            self.event(
+                step,
+                "samples_quarantined",
+                f"step {step}: {len(names)} record(s) quarantined, {action}: " + "; ".join(names),
+                severity="warning",
+                records=[e.to_dict() for e in self.quarantine.entries if e.step == step],
+            )
+
+
+def build_forensics(data_cfg, records, callbacks) -> list:
+    """``[SpikeForensics]`` wired to the guards in `callbacks`, or ``[]`` with ``data.quarantine: off``."""
+    cfg = ForensicsConfig.from_data(data_cfg)
+    if cfg.quarantine == "off":
+        return []
+    return [SpikeForensics(cfg, records).attach(callbacks)]

@@ -1,0 +1,117 @@
+"""The "suspect data" section of the report and the model card: the records the spike forensics quarantined
+(``quarantine.jsonl``: file:line, reason, evidence, preview) and a plot of the bad steps' per-sample losses against
+the healthy per-sample distribution (``step_forensics`` events)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from hf_stable.forensics.quarantine import QUARANTINE_FILE, read_quarantine
+
+MAX_ROWS = 30
+
+
+def _num(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _evidence(ev: dict) -> str:
+    parts = [f"loss {_num(ev.get('loss')):.4g}"]
+    if math.isfinite(_num(ev.get("step_median"))):
+        parts.append(f"step median {_num(ev['step_median']):.3g}")
+    z = _num(ev.get("z"))
+    if not math.isnan(z):
+        parts.append(f"z {z:.3g}")
+    g = _num(ev.get("grad_norm"))
+    if not math.isnan(g):
+        parts.append(f"grad norm {g:.3g}")
+    snap = _num(ev.get("loss_at_snapshot"))
+    if not math.isnan(snap):
+        parts.append(f"at snapshot {snap:.3g}")
+    return ", ".join(parts)
+
+
+def suspect_table(entries: list[dict], limit: int = MAX_ROWS) -> list[str]:
+    """Markdown table rows for quarantine entries (empty when there are none)."""
+    if not entries:
+        return []
+    lines = ["| step | file:line | reason | evidence | preview |", "|---:|---|---|---|---|"]
+    for e in entries[:limit]:
+        lines.append(
+            f"| {e.get('step')} | `{_cell(e.get('where'))}` | {_cell(e.get('reason'))} | "
+            f"{_cell(_evidence(e.get('evidence') or {}))} | {_cell(e.get('preview', ''))} |"
+        )
+    if len(entries) > limit:
+        lines.append(f"\n{len(entries) - limit} more in `{QUARANTINE_FILE}`.")
+    return lines
+
+
+def suspect_markdown(output_dir: str | Path, events: list[dict]) -> list[str]:
+    """The section's lines (without heading); [] when the run named no suspect and ran no forensics."""
+    entries = read_quarantine(output_dir)
+    forensics = [e for e in events if e.get("kind") == "step_forensics"]
+    if not entries and not forensics:
+        return []
+    if not entries:
+        return [
+            (
+                f"{len(forensics)} bad step(s) re-run sample by sample; no record stood out (the weights or a "
+                "transient fault, not the data)."
+            )
+        ]
+    return [
+        (
+            f"{len(entries)} record(s) quarantined (`{QUARANTINE_FILE}`; exclude them from another run with "
+            f"`data.exclude_file`, re-audit with `hf-stable audit --exclude`):"
+        ),
+        "",
+        *suspect_table(entries),
+    ]
+
+
+def plot_bad_step_losses(events: list[dict], path: Path) -> Path | None:
+    """Each bad step's per-sample losses over the step's median (dots, quarantined red) next to the healthy
+    samples' distribution of the same ratio (box, when screening kept one)."""
+    steps = [e for e in events if e.get("kind") == "step_forensics" and e.get("samples")]
+    if not steps:
+        return None
+    from hf_stable.reporting.stability_plots import _plt, _save
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    healthy = [_num(x) for e in steps for x in e.get("healthy") or []]
+    healthy = [x for x in healthy if math.isfinite(x)]
+    if healthy:
+        ax.boxplot([healthy], positions=[0], widths=0.6)
+    labels = ["healthy" if healthy else ""]
+    quarantined = {
+        (int(ev["step"]), r.get("where"))
+        for ev in events
+        if ev.get("kind") == "samples_quarantined"
+        for r in ev.get("records") or []
+    }
+    for k, e in enumerate(steps[:20], start=1):
+        xs, ys, colors = [], [], []
+        for where, _loss, ratio, _z in e["samples"]:
+            y = _num(ratio)
+            if not math.isfinite(y):
+                continue  # a non-finite loss cannot be drawn; the table names it
+            xs.append(k)
+            ys.append(y)
+            colors.append("tab:red" if (int(e["step"]), where) in quarantined else "tab:blue")
+        ax.scatter(xs, ys, c=colors, s=14, alpha=0.8)
+        labels.append(f"step {e['step']}")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=45, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("sample loss / step median")
+    ax.set_title("bad steps' samples (red: quarantined) vs healthy samples")
+    return _save(fig, path)

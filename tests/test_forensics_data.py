@@ -1,0 +1,192 @@
+"""Record identity through the data pipeline, and the exact per-sample loss (issue 16, parts 1-2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from hf_stable.config.data import DataConfig
+from hf_stable.core.step_tap import StepTap
+from hf_stable.data import build_data
+from hf_stable.data.collators import PackingCollator, PaddingCollator
+from hf_stable.data.identity import read_exclusions, record_hash
+from hf_stable.forensics.sample_loss import per_sample_loss
+from hf_stable.trainer import StableTrainer
+from tests.dist_scripts.guards_common import tiny_lora_llama, training_args
+
+
+def _features(n=6, seed=0, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(n):
+        length = int(torch.randint(5, 12, (1,), generator=g))
+        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+        labels = [-100] * 2 + ids[2:]
+        out.append({"input_ids": ids, "labels": labels, "record_id": 100 + k})
+    return out
+
+
+def test_packed_record_ids_follow_position_id_restarts():
+    feats = _features(7)
+    batch = PackingCollator(0, pad_to_multiple_of=8, max_row_tokens=24, return_record_ids=True)(feats)
+    pos = batch["position_ids"].reshape(-1).tolist()
+    flat = batch["input_ids"].reshape(-1).tolist()
+    starts = [i for i, p in enumerate(pos) if p == 0]
+    ids = batch["record_ids"].tolist()
+    assert len(ids) == len(starts)
+    by_id = {f["record_id"]: f["input_ids"] for f in feats}
+    for k, (s, rid) in enumerate(zip(starts, ids)):
+        end = starts[k + 1] if k + 1 < len(starts) else len(flat)
+        if rid == -1:  # a tail padding segment
+            continue
+        assert flat[s:end][: len(by_id[rid])] == by_id[rid]
+    assert sorted(i for i in ids if i >= 0) == sorted(by_id)
+
+
+def test_padded_record_ids_one_per_row():
+    feats = _features(4)
+    batch = PaddingCollator(0, return_record_ids=True)(feats)
+    assert batch["record_ids"].tolist() == [100, 101, 102, 103]
+    assert "record_ids" not in PaddingCollator(0)(feats)
+
+
+def _write(path: Path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+ROWS = [{"instruction": f"Add {i} and {i + 1}.", "input": "", "output": str(2 * i + 1)} for i in range(12)]
+
+
+def test_exclude_file_by_line_and_hash_is_counted(tmp_path, tokenizer):
+    train = _write(tmp_path / "train.jsonl", ROWS)
+    excl = tmp_path / "quarantine.jsonl"
+    excl.write_text(json.dumps({"where": f"{train}:3"}) + "\n" + json.dumps({"hash": record_hash(ROWS[6])}) + "\n")
+    cfg = DataConfig(train_file=train, eval_file=None, exclude_file=str(excl), packing=False)
+    data = build_data(cfg, tokenizer)
+    assert len(data.train_dataset) == 10 and data.stats["train"]["dropped_reasons"] == {"excluded": 2}
+    assert data.audit["train"]["dropped_reasons"]["excluded"] == 2
+    kept = {data.records[r].where for r in data.train_dataset["record_id"]}
+    assert f"{train}:3" not in kept and f"{train}:7" not in kept and f"{train}:4" in kept
+    # the table names each sample's line, hash and a preview
+    info = data.records[data.train_dataset["record_id"][0]]
+    assert info.where == f"{train}:1" and info.hash == record_hash(ROWS[0]) and "Add 0 and 1" in info.preview
+
+
+def test_exclude_file_errors_name_the_line(tmp_path):
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"where": "a.jsonl:1"}\n{"step": 3}\n')
+    with pytest.raises(Exception, match=r"q.jsonl:2: names neither"):
+        read_exclusions(str(bad))
+
+
+class _Spy(TrainerCallback):
+    """Forward pre-hook (kwargs) on the model: records every key the forward receives; per step, the record ids the
+    tap kept with each micro-batch."""
+
+    def __init__(self, model):
+        self.keys: list[set] = []
+        self.steps: list[list[list[int]]] = []
+        self.tap = StepTap.shared(model).attach()
+        model.register_forward_pre_hook(lambda m, a, kw: self.keys.append(set(kw)), with_kwargs=True)
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.tap.begin_step()
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self.steps.append([ids.tolist() for ids in self.tap.record_ids])
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_record_ids_reach_the_tap_never_the_forward(tmp_path, packing):
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for k in range(16):
+        ids = torch.randint(0, 128, (int(torch.randint(6, 14, (1,), generator=g)),), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] + ids[1:], "record_id": 500 + k})
+    from datasets import Dataset
+
+    ds = Dataset.from_list(rows)
+    collator = PackingCollator(0) if packing else PaddingCollator(0)  # StableTrainer asks for the ids
+    model = tiny_lora_llama()
+    spy = _Spy(model)
+    args = training_args(
+        tmp_path,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        remove_unused_columns=False,
+    )
+    StableTrainer(model=model, args=args, train_dataset=ds, data_collator=collator, callbacks=[spy]).train()
+    assert spy.keys and all("record_ids" not in k and "record_id" not in k for k in spy.keys)
+    assert len(spy.steps) == 2 and all(len(step) == 2 for step in spy.steps)  # 2 micro-batches per step
+    seen = [i for step in spy.steps for mb in step for i in mb if i >= 0]
+    assert len(seen) == 16 and sorted(seen) == list(range(500, 516))  # every record once, 2 steps x 2 x 4
+
+
+def _alone(model, ids, labels):
+    out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]), use_cache=False)
+    return float(out.loss)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_per_sample_loss_equals_each_sample_alone(packing):
+    model = tiny_lora_llama(lora=False).eval()
+    feats = _features(5, seed=4)
+    if packing:
+        batch = PackingCollator(0, max_row_tokens=20, return_record_ids=True)(feats)
+    else:
+        batch = PaddingCollator(0, return_record_ids=True)(feats)
+    ids = batch.pop("record_ids")
+    kw = {k: v for k, v in batch.items() if k in ("input_ids", "labels", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        logits = model(**kw, use_cache=False).logits
+        loss, count = per_sample_loss(logits, batch["labels"], batch.get("position_ids"), n_segments=len(ids))
+        by_id = {f["record_id"]: f for f in feats}
+        for rid, got, n in zip(ids.tolist(), loss.tolist(), count.tolist()):
+            if rid < 0:
+                assert n == 0
+                continue
+            f = by_id[rid]
+            want = _alone(model, f["input_ids"], f["labels"])
+            assert n == sum(1 for x in f["labels"][1:] if x != -100)
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_audit_exclude_leaves_the_quarantined_records_out(tmp_path, tokenizer):
+    from hf_stable.data.audit import audit_dataset, main
+
+    train = _write(tmp_path / "train.jsonl", ROWS)
+    q = tmp_path / "quarantine.jsonl"
+    q.write_text(json.dumps({"where": f"{train}:2", "hash": record_hash(ROWS[1]), "step": 4}) + "\n")
+    audit = audit_dataset(train, tokenizer, exclude=str(q))
+    assert audit["n_kept"] == 11 and audit["dropped_reasons"] == {"excluded": 1}
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    assert main([train, "--tokenizer", str(tok_dir), "--exclude", str(q), "--json"]) == 0
+
+
+def test_quarantine_off_survives_yaml_reading_it_as_false():
+    from hf_stable.config import load_config
+
+    assert load_config(argv=["--data.quarantine", "off"]).data.quarantine == "off"
+    assert load_config(argv=[]).data.quarantine == "auto"  # the recipe's default
+
+
+def test_judge_names_a_long_outlier_not_a_short_hard_answer_nor_a_batch_of_nans():
+    from hf_stable.forensics.attribution import SampleRow, judge
+
+    rows = [SampleRow(k, 2.0 + 0.1 * (k % 5), 6, float("nan"), 0) for k in range(15)]
+    rows += [SampleRow(90, 6.5, 4, float("nan"), 0), SampleRow(91, 6.0, 60, float("nan"), 0)]
+    culprits, _, median = judge(rows, None, zscore=5.0, min_rel=1.0, min_excess=25.0)
+    assert [c.row.record_id for c in culprits] == [91] and median == 2.2  # 4 tokens at 3x: 17 nats, not enough
+    nans = [SampleRow(k, float("nan"), 6, float("nan"), 0) for k in range(4)] + [SampleRow(9, 2.0, 6, 0.0, 0)]
+    assert judge(nans, None, zscore=5.0, min_rel=1.0)[0] == []  # every sample NaN: the weights, not the data
+    one = [SampleRow(k, 2.0, 6, float("nan"), 0) for k in range(5)] + [SampleRow(7, float("nan"), 6, 0.0, 0)]
+    assert [(c.row.record_id, c.reason) for c in judge(one, None, zscore=5.0, min_rel=1.0)[0]] == [
+        (7, "nonfinite_loss")
+    ]
