@@ -125,8 +125,9 @@ class StableTrainer(Trainer):
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         return EpochStreamSampler.covering(len(dataset), samples, seed)
 
-    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
-                             trial):
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
         epochs, skip = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )

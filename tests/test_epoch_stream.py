@@ -12,15 +12,15 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
-from guards_common import tiny_lora_llama, token_data, trainable, training_args  # noqa: E402
+from guards_common import tiny_lora_llama, token_data, trainable, training_args
 
-from hf_stable.callbacks.guards.accumulation import AccumulationControl  # noqa: E402
-from hf_stable.callbacks.guards.batch_warmup import BatchWarmupGuard  # noqa: E402
-from hf_stable.callbacks.guards.lr_control import LRControl  # noqa: E402
-from hf_stable.callbacks.guards.thermal import ThermalGuard  # noqa: E402
-from hf_stable.data.epochs import EpochStreamSampler  # noqa: E402
-from hf_stable.errors import ConfigError  # noqa: E402
-from hf_stable.trainer import StableTrainer  # noqa: E402
+from hf_stable.callbacks.guards.accumulation import AccumulationControl
+from hf_stable.callbacks.guards.batch_warmup import BatchWarmupGuard
+from hf_stable.callbacks.guards.lr_control import LRControl
+from hf_stable.callbacks.guards.thermal import ThermalGuard
+from hf_stable.data.epochs import EpochStreamSampler
+from hf_stable.errors import ConfigError
+from hf_stable.trainer import StableTrainer
 
 
 def test_epoch_stream_sampler_reshuffles_each_epoch_covers_every_index_and_plans_its_length():
@@ -78,7 +78,7 @@ def _train(tmp_path, guards, *, trainer_cls=StableTrainer, rows=24, resume=None,
 def test_stable_trainer_feeds_batch_warmup_past_the_trainers_epoch_plan(tmp_path):
     # 24 rows / batch 2 = 12 micro-batches per data epoch; the plan (1,1,2,2,4 x 6) needs 30: the stock Trainer
     # refuses (it plans one epoch of 12 for accumulation 1), StableTrainer streams 3 reshuffled data epochs.
-    guards, acc = _warmup_guards()
+    guards, _ = _warmup_guards()
     with pytest.raises(ConfigError, match="need 30 micro-batches per rank.*StableTrainer"):
         _train(tmp_path / "stock", guards, trainer_cls=Trainer)
     guards, acc = _warmup_guards()
@@ -109,12 +109,12 @@ def test_thermal_guard_with_stable_trainer_plans_for_the_full_target(tmp_path):
 
 
 def test_resume_with_batch_warmup_skips_the_micro_batches_consumed_and_matches_the_uninterrupted_run(tmp_path):
-    guards, acc = _warmup_guards()
+    guards, _ = _warmup_guards()
     _, full_seen, full_model = _train(tmp_path / "full", guards, save_strategy="steps", save_steps=5)
     checkpoint = tmp_path / "full" / "checkpoint-5"
     assert AccumulationControl.saved_micro_batches(_saved_state(checkpoint)) == 1 + 1 + 2 + 2 + 2
 
-    guards, acc = _warmup_guards()
+    guards, _ = _warmup_guards()
     trainer, seen, model = _train(tmp_path / "resumed", guards, resume=str(checkpoint))
     assert trainer.state.global_step == 10
     assert seen.steps == full_seen.steps[5:]  # same rows, same accumulation (4 from step 6, as uninterrupted)
