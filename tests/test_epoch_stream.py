@@ -126,3 +126,85 @@ def _saved_state(checkpoint: Path):
     from transformers import TrainerState
 
     return TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+
+
+# ---- the recipe (scripts/finetune.py): opt-in guards switched on from the command line, nothing else -----------
+
+WARMUP = [
+    "--stability.guards.batch_warmup.enabled", "true",
+    "--stability.guards.batch_warmup.target_accumulation", "4",
+]  # fmt: skip
+
+
+def _events(out: Path) -> list[dict]:
+    from hf_stable.callbacks.events import read_events
+
+    return read_events(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_recipe_runs_batch_warmup_snr_and_optimizer_phases_together_for_200_steps(tmp_path):
+    import json
+
+    from dist_scripts.harness import launch, recipe_args
+
+    out = tmp_path / "out"
+    phases = "[{name: adamw, until_step: 60}, {name: sgd, until_step: 120, lr_scale: 10}, {name: lion, lr_scale: 0.3}]"
+    # 64 rows: the plan (1 x 25, 2 x 25, 4 x 150 micro-batches of 8) is ~11 data epochs, which the stock Trainer's
+    # plan (one epoch per 8 steps at accumulation 1) cannot feed
+    args = recipe_args(out, steps=200, n_train=64) + WARMUP + [
+        "--stability.guards.batch_warmup.double_every", "25",
+        "--stability.guards.snr.enabled", "true", "--stability.guards.snr.interval", "20",
+        "--stability.guards.phases.enabled", "true", "--stability.guards.phases.phases", phases,
+    ]  # fmt: skip
+    run = launch(args, out, timeout=540)
+    assert run.returncode == 0, run.tail()
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 200
+    events = _events(out)
+    accumulation = [e["value"] for e in events if e["kind"] == "accumulation_changed"]
+    assert accumulation == [2, 4]  # doubled twice and held at the target to the end
+    history = state["log_history"]
+    assert [h["batch/accumulation"] for h in history if "batch/accumulation" in h][-1] == 4
+    switches = [e["message"] for e in events if e["kind"] == "optimizer_switch"]
+    assert len(switches) == 2 and "adamw -> sgd" in switches[0] and "sgd -> lion" in switches[1]
+    assert [e["step"] for e in events if e["kind"] == "lr_adjusted"], "the SNR rule never changed the LR"
+    assert sum("lr/snr_ratio" in h for h in history) >= 5  # checked every 20 steps, logged
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learned through every phase and accumulation change
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_recipe_with_batch_warmup_killed_and_resumed_equals_the_uninterrupted_run(tmp_path):
+    import json
+    import signal
+
+    from dist_scripts.harness import launch, load_adapter, recipe_args, strip_timing
+
+    # accumulation 1, 1, 1, 1, 2, 2, 4 ... (doubling due every 3 steps, applied when aligned); killed while writing
+    # checkpoint-8, resumed from checkpoint-6 at accumulation 4: the stock Trainer would skip 6 micro-batches, not 8
+    def args(out: Path) -> list[str]:
+        return recipe_args(out, steps=12, n_train=32, save_steps=2) + WARMUP + [
+            "--stability.guards.batch_warmup.double_every", "3",
+        ]  # fmt: skip
+
+    base = tmp_path / "base"
+    uninterrupted = launch(args(base), base)
+    assert uninterrupted.returncode == 0, uninterrupted.tail()
+    out = tmp_path / "out"
+    killed = launch(args(out), out, fault="kill_in_save:8")
+    assert killed.returncode == -signal.SIGKILL, killed.tail()
+    resumed = launch(args(out), out, tag="resume")
+    assert resumed.returncode == 0, resumed.tail()
+    assert "checkpoint-6" in resumed.output
+
+    a, b = load_adapter(out), load_adapter(base)
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    sa, sb = (json.loads((d / "trainer_state.json").read_text()) for d in (out, base))
+    assert [h.get("loss") for h in sa["log_history"]] == [h.get("loss") for h in sb["log_history"]]
+    assert strip_timing(sa["stateful_callbacks"]["hf_stable"]) == strip_timing(sb["stateful_callbacks"]["hf_stable"])
+    assert sa["stateful_callbacks"]["hf_stable"]["AccumulationControl"]["micro_batches"] == 4 + 4 + 4 * 6
