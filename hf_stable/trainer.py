@@ -24,6 +24,12 @@ methods behind that (`_clip_grad_norm`, `_get_grad_norm`) so that:
   `max_norm / NaN` = NaN, which hides which parameter went bad (the non-finite locator then needs a re-run);
   the skip guard drops such a step either way, and without guards the run is broken either way.
 
+When a guard changes gradient accumulation during the run (batch warmup, the thermal guard: an enabled
+`AccumulationControl` among the callbacks), the data is planned for it: the train sampler is an
+`EpochStreamSampler` holding every micro-batch the plan can ask for (the data's reshuffled epochs back to back;
+the stock Trainer plans epochs for the accumulation at train start and would run out), and a resumed run skips the
+micro-batches the interrupted run really consumed, not `global_step x accumulation`, so it continues bit for bit.
+
 The logged `grad_norm` is the same quantity (fp32 accumulation; the stock value is accumulated in the gradient
 dtype). Anything this class cannot read exactly falls back to the stock methods: DeepSpeed, FSDP, XLA, mixed
 device meshes, SageMaker model parallel.
@@ -37,11 +43,14 @@ from __future__ import annotations
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import has_length
 
+from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.compat import foreach_mul_, has_mixed_mesh_grads
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.step_tap import RECORD_IDS_KEY, StepTap
+from hf_stable.data.epochs import EpochStreamSampler
 from hf_stable.distributed import sharded_training
 from hf_stable.forensics.quarantine import wrap_train_sampler
 
@@ -95,10 +104,6 @@ class StableTrainer(Trainer):
                     foreach_mul_(grads, coef.to(device))
         return dev.global_norm
 
-    def _get_train_sampler(self, train_dataset=None):
-        sampler = super()._get_train_sampler(train_dataset)
-        return wrap_train_sampler(self, sampler, train_dataset if train_dataset is not None else self.train_dataset)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         record_ids = inputs.pop(RECORD_IDS_KEY, None) if isinstance(inputs, dict) else None
         if record_ids is not None and self.model is not None:
@@ -113,3 +118,47 @@ class StableTrainer(Trainer):
         if grad_norm is None:
             grad_norm = self._shared_norm(model, None)
         return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    # --- data plan for a changing gradient accumulation ----------------------------------------------------
+    def _accumulation_control(self) -> AccumulationControl | None:
+        acc = AccumulationControl.find(self.callback_handler.callbacks)
+        return acc if acc is not None and acc.changes_accumulation(self.args) else None
+
+    def _get_train_sampler(self, train_dataset=None):
+        """The planned epoch stream when the accumulation changes (else the Trainer's sampler), minus quarantined
+        records from the position they were named at (`forensics.quarantine.wrap_train_sampler`)."""
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        sampler = self._planned_sampler(dataset)
+        if sampler is None:
+            sampler = super()._get_train_sampler(train_dataset)
+        return wrap_train_sampler(self, sampler, dataset)
+
+    def _planned_sampler(self, dataset) -> EpochStreamSampler | None:
+        """The data's epochs back to back, enough for every micro-batch the accumulation plan can ask for (per rank:
+        micro-batches x batch size; accelerate deals each rank its batches from the same stream)."""
+        acc = self._accumulation_control()
+        if acc is None or dataset is None or not has_length(dataset) or len(dataset) == 0:
+            return None
+        if self.args.train_sampling_strategy != "random" or self.args.gradient_accumulation_steps != 1:
+            return None  # length-grouped or sequential order is the user's choice; the guard checks the capacity
+        micro = acc.planned_micro_batches(0, self.args.max_steps)
+        samples = micro * self._train_batch_size * max(1, self.args.world_size)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return EpochStreamSampler.covering(len(dataset), samples, seed)
+
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
+        epochs, skip = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        acc = self._accumulation_control()
+        if acc is None or resume_from_checkpoint is None or self.state.global_step == 0 or self.args.ignore_data_skip:
+            return epochs, skip
+        consumed = AccumulationControl.saved_micro_batches(self.state)
+        if consumed is not None and self.args.gradient_accumulation_steps == 1:
+            # the Trainer assumed global_step x 1 micro-batches; with accumulation 1 at train start an "update step"
+            # of its plan is one micro-batch, so the real count maps onto (epoch, batches into it) directly
+            epochs, skip = divmod(consumed, num_update_steps_per_epoch)
+            acc.resume_exact()
+        return epochs, skip

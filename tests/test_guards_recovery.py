@@ -183,3 +183,65 @@ def test_snapshots_stay_fresh_and_fall_on_the_same_steps_after_resume(tmp_path):
     assert resumed == [(51, 43)]
     assert {t: s for t, s in snaps_res.items() if s > 40} == {t: s for t, s in snaps.items() if t > 40 and s > 40}
     assert weights_equal(rec_res.weights[60], rec.weights[60])
+
+
+class _Overflows:
+    """Batches of chosen steps that overflow (non-finite loss) at any weights but the initial ones: a borderline
+    fp16 batch tipped over by normal drift. The batch is marked by its first token, so re-runs reproduce it."""
+
+    MARK = 0
+
+    def __init__(self, model, steps):
+        self.steps, self.forwards = set(steps), 0
+        self.initial = [p.detach().clone() for p in model.parameters()]
+        model.register_forward_pre_hook(self._mark, with_kwargs=True)
+        model.register_forward_hook(self._overflow, with_kwargs=True)
+
+    def _mark(self, module, args, kwargs):
+        from hf_stable.core.step_tap import StepTap
+
+        if not module.training or not torch.is_grad_enabled() or StepTap.shared(module)._paused:
+            return None
+        self.forwards += 1
+        if self.forwards not in self.steps:
+            return None
+        ids = kwargs["input_ids"].clone()
+        ids[:, 0] = self.MARK
+        return args, {**kwargs, "input_ids": ids}
+
+    def _overflow(self, module, args, kwargs, output):
+        marked = bool((kwargs["input_ids"][:, 0] == self.MARK).all())
+        moved = any(not torch.equal(p, q) for p, q in zip(module.parameters(), self.initial))
+        if marked and moved:
+            output["loss"] = output["loss"] * float("inf")
+        return output
+
+
+def test_batches_that_overflow_at_healthy_weights_are_skipped_without_a_rollback(tmp_path):
+    # only the step-0 snapshot; batches 21-23 overflow at the current weights and not at the step-0 ones. The last
+    # accepted batch (20) is finite at the current weights: healthy weights, some inputs overflow -> declined
+    # (before: "damaged weights", restored step 0 and halved the LR, again for every such batch)
+    model = tiny_lora_llama()
+    fault = _Overflows(model, steps=(21, 22, 23))
+    token_data_rows = token_data(256)
+    assert not any(int(r["input_ids"][0]) == _Overflows.MARK for r in token_data_rows[:8])
+    skip, lr = SkipGuard(), LRControl()
+    rollback = RollbackGuard(skip, lr, snapshot_share=None, snapshot_every=1000)
+    args = training_args(tmp_path / "overflow", max_steps=26, learning_rate=1e-2)
+    Trainer(model=model, args=args, train_dataset=token_data_rows, callbacks=[skip, rollback, lr]).train()
+    assert fault.forwards == 26
+    events = read_events(tmp_path / "overflow")
+    assert [e["step"] for e in events if e["kind"] == "step_skipped"] == [21, 22, 23]
+    assert [e["kind"] for e in events if e["kind"].startswith("rollback")] == ["rollback_declined"]
+    assert rollback.rollbacks == 0 and lr.product == 1.0
+
+    # weights gone bad overflow on every batch, the last accepted one included: still a rollback
+    model = tiny_lora_llama()
+    skip, lr = SkipGuard(), LRControl()
+    rollback = RollbackGuard(skip, lr, snapshot_share=None, snapshot_every=1000)
+    args = training_args(tmp_path / "damage", max_steps=26, learning_rate=1e-2)
+    Trainer(model=model, args=args, train_dataset=token_data(256),
+            callbacks=[skip, rollback, lr, WeightDamage(model, steps=(20,), factor=float("inf"))]).train()
+    events = read_events(tmp_path / "damage")
+    (event,) = [e for e in events if e["kind"].startswith("rollback")]
+    assert event["kind"] == "rollback" and event["check"] == "damaged weights" and event["value"] == 0

@@ -258,3 +258,6 @@ def test_rollback_check_tells_damaged_weights_from_bad_data():
     assert not weights_damaged(nan, nan, Probe(nan, nan), Probe(nan, nan), judge)
     assert not weights_damaged(nan, nan, Probe(1.0, 2.0), Probe(1.0, 2.0), judge)
     assert weights_damaged(20.0, 2.1, Probe(0.0, 2.1), Probe(1.0, 2.0), judge) is None  # no scale: cannot tell
+    # ... unless the last accepted batch is still finite at the current weights: healthy weights, an input overflows
+    assert not weights_damaged(nan, nan, Probe(nan, nan), Probe(1.0, 2.0), judge, recent=Probe(1.1, 2.1))
+    assert weights_damaged(nan, nan, Probe(nan, nan), Probe(1.0, 2.0), judge, recent=Probe(nan, nan))

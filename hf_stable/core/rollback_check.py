@@ -14,7 +14,13 @@ averaging), and the snapshot's numbers, on that scale, are judged by the skip gu
 references: would this step have been skipped at the snapshot's weights?
 
 * the real step was non-finite: damaged if the re-run at the current weights is non-finite too and the one at
-  the snapshot's is finite; a clean re-run means a transient fault (nothing to undo);
+  the snapshot's is finite; a clean re-run means a transient fault (nothing to undo). One more counterfactual
+  separates damaged weights from a batch that overflows at healthy ones (fp16 activations past 65504 on some
+  inputs, a borderline batch tipped over by a few steps of normal drift): the last *accepted* step's batch is
+  re-run at the current weights (`probe_inputs`). Weights gone bad make every batch non-finite; when that recent
+  good batch is still finite, only some inputs overflow - skipping them is the cure, and a rollback plus an LR
+  backoff would only repeat with every such batch (in `benchmarks/rescue.py`, fp16 seed 1: four rollbacks to step
+  0 and an LR factor of 0.008 where skipping alone ended within 1 % of the clean run);
 * the real step was a spike or a rise: damaged if the snapshot's numbers pass every skip rule.
 
 Sums are all-reduced, so every rank reaches the same verdict. Cost: two forward/backward passes of one step,
@@ -48,12 +54,12 @@ class Probe:
         return f"grad norm {self.grad_norm:.4g}, loss {self.loss:.4g}"
 
 
-def _local_probe(model, params: list[torch.Tensor], tap: StepTap, args) -> torch.Tensor | None:
+def _local_probe(model, params: list[torch.Tensor], tap: StepTap, args, inputs=None) -> torch.Tensor | None:
     """[sum of squared gradient norms, summed loss] on this rank, or None when the batch cannot be re-run."""
     grads: list[torch.Tensor] | None = None
     loss_sum = None
     with tap.replaying():
-        for call_args, call_kwargs in tap.inputs:
+        for call_args, call_kwargs in tap.inputs if inputs is None else inputs:
             loss, step_grads = batch_gradients(model, params, call_args, call_kwargs, args)
             if loss is None:
                 return None
@@ -103,11 +109,36 @@ def probe_snapshot(
     return Probe(math.sqrt(values[0]), values[1]), Probe(math.sqrt(values[2]), values[3])
 
 
-def weights_damaged(real_norm: float, real_loss: float, now: Probe, snap: Probe, judge) -> bool | None:
+def probe_inputs(model, params: list[torch.Tensor], inputs, args=None) -> Probe | None:
+    """The probe of other captured micro-batches (`inputs`, e.g. the last accepted step's) at the current weights,
+    all ranks summed; None when some rank cannot re-run them. Every rank must call it (it all-reduces)."""
+    tap = StepTap.shared(model)
+    device = params[0].device if params else torch.device("cpu")
+    local = None
+    if tap.attached and inputs:
+        try:
+            local = _local_probe(model, params, tap, args, inputs=inputs)
+        except Exception:  # noqa: BLE001 - never skip the all-reduce below, which the other ranks have entered
+            local = None
+    packed = torch.zeros(3, dtype=torch.float32, device=device)
+    if local is not None:
+        packed[:2] = local.to(device)
+    packed[2] = float(local is None)
+    values = all_reduce_tensor(packed, "sum").tolist()
+    return None if values[2] else Probe(math.sqrt(values[0]), values[1])
+
+
+def weights_damaged(
+    real_norm: float, real_loss: float, now: Probe, snap: Probe, judge, recent: Probe | None = None
+) -> bool | None:
     """The verdict for a step the skip guard judged bad with (`real_norm`, `real_loss`): True = the weights are
     damaged (roll back), False = the data is (skip only), None = cannot tell (roll back, as without the check).
-    `judge(grad_norm, loss)` returns the skip guard's flags for a step with those numbers (no state change)."""
+    `judge(grad_norm, loss)` returns the skip guard's flags for a step with those numbers (no state change).
+    `recent`: the last accepted step's batch re-run at the current weights, when known: finite there, a batch that
+    is non-finite now is one the healthy weights overflow on, not a sign of damage."""
     if not now.finite:  # the batch reproduces a non-finite result at the current weights
+        if snap.finite and recent is not None and recent.finite:
+            return False
         return snap.finite
     if not (math.isfinite(real_norm) and math.isfinite(real_loss)):
         return False  # non-finite in the step, finite on the re-run: a transient fault, nothing to undo

@@ -86,7 +86,7 @@ class PhasedOptimizer(torch.optim.Optimizer):
 
     Example:
         >>> opt = PhasedOptimizer(build_optimizer(model, cfg.optim, args), ["adamw", "sgd", "lion"], cfg.optim)
-        >>> trainer = Trainer(..., optimizers=(opt, None), callbacks=[OptimizerPhaseGuard(phases, lr)])
+        >>> trainer = Trainer(..., optimizers=(opt, None), callbacks=[OptimizerPhaseGuard(lr, phases)])
     """
 
     def __init__(

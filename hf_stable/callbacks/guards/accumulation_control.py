@@ -18,17 +18,20 @@ Two constraints make it correct:
   partial step still gets the right normalisation; a start value > 1 is refused, because the Trainer's last step
   of each epoch fetches a fixed remainder that a changed accumulation would split wrongly. The price: with
   `max_steps > 0` the Trainer plans `ceil(max_steps / L)` epochs of L micro-batches — enough for accumulation 1
-  only. So the guard checks at train start that the data holds the micro-batches the plan needs (batch warmup's
-  schedule, the full target otherwise) and otherwise stops with a ConfigError naming the numbers; a run of less
-  than one epoch (typical for LLM fine-tuning) always fits, a multi-epoch run repeats its dataset.
+  only. `StableTrainer` (the recipe's Trainer) therefore trains such a run on an `EpochStreamSampler`: the data's
+  reshuffled epochs back to back, as many as `planned_micro_batches` needs (batch warmup's schedule, the full target
+  otherwise), seen by the Trainer as one epoch. With the stock Trainer the guard checks at train start that the data
+  holds the micro-batches the plan needs and otherwise stops with a ConfigError naming the numbers.
 
 The LR factor `accumulation` (in `LRControl`) compensates the smaller batch: `(k / target) ** 0.5` (sqrt) or
 `k / target` (linear). Requests from guards (batch warmup, thermal) are ratios of the target and multiply.
 
-Limits: DeepSpeed keeps its own accumulation (the guard says it is off). On resume, the guard state (stage,
-factor) is restored, but the Trainer skips `global_step x start_accumulation` batches of the resumed epoch (it
-assumes a fixed accumulation), so the data position is approximate; accumulation restarts at 1 until the first
-aligned step.
+Resume: the Trainer skips `global_step x start_accumulation` micro-batches of the resumed epoch (it assumes a fixed
+accumulation). The guard saves the micro-batches really consumed (`micro_batches`) and `StableTrainer` skips exactly
+those; the accumulation in use is then restored as it was, so a resumed run continues bit for bit. With the stock
+Trainer the data position is approximate and the accumulation restarts at 1 until the first aligned step.
+
+Limits: DeepSpeed keeps its own accumulation (the guard says it is off).
 """
 
 from __future__ import annotations
@@ -75,7 +78,11 @@ class AccumulationControl(StabilityCallback):
         self._current: int | None = None
         self._waiting_since: int | None = None
         self._args = None
+        self._start_accumulation = 1  # TrainingArguments' value at train start, put back at train end
         self._off = False
+        self._micro_batches = 0  # micro-batches consumed per rank since the run started (saved for resume)
+        self._saved_current: int | None = None
+        self._exact_resume = False  # StableTrainer resumed the data at `micro_batches`
         self.history: list[tuple[int, int]] = []  # (step at which it applies from, accumulation)
 
     # --- requests ---------------------------------------------------------------------------------------
@@ -111,10 +118,36 @@ class AccumulationControl(StabilityCallback):
         return self._current
 
     def state_dict(self) -> dict:
-        return {"requests": dict(self._requests), "current": self._current}
+        return {"requests": dict(self._requests), "current": self._current, "micro_batches": self._micro_batches}
 
     def load_state_dict(self, state: dict) -> None:
         self._requests = {k: float(v) for k, v in state.get("requests", {}).items()}
+        self._saved_current = state.get("current")
+        self._micro_batches = int(state.get("micro_batches", 0))
+
+    # --- the data plan (read by StableTrainer) ---------------------------------------------------------
+    @classmethod
+    def find(cls, callbacks) -> AccumulationControl | None:
+        """The enabled `AccumulationControl` among `callbacks`, if any."""
+        return next((cb for cb in callbacks if isinstance(cb, cls) and cb.enabled), None)
+
+    def changes_accumulation(self, args) -> bool:
+        """Whether this run's accumulation is driven here (enabled, a fixed step count, not under DeepSpeed)."""
+        deepspeed = (sharded_training(args) or "").startswith("DeepSpeed")
+        return self.enabled and not deepspeed and args.max_steps is not None and args.max_steps > 0
+
+    @classmethod
+    def saved_micro_batches(cls, state) -> int | None:
+        """Micro-batches per rank the run saved in `state` (a TrainerState loaded from a checkpoint) had consumed."""
+        from hf_stable.callbacks.base import STATE_KEY
+
+        saved = ((state.stateful_callbacks or {}).get(STATE_KEY) or {}).get(cls.__name__) or {}
+        value = saved.get("micro_batches")
+        return int(value) if value is not None else None
+
+    def resume_exact(self) -> None:
+        """Called by the Trainer that resumed the data at exactly `saved_micro_batches`: keep the saved accumulation."""
+        self._exact_resume = True
 
     # --- application ----------------------------------------------------------------------------------------
     def _set(self, step: int, value: int) -> None:
@@ -132,20 +165,25 @@ class AccumulationControl(StabilityCallback):
                        value=value, threshold=self.target, severity="info", previous=old)
 
     @staticmethod
-    def _micro_in_epoch(state, train_dataloader) -> int | None:
+    def _consumed(state, train_dataloader) -> int | None:
+        """Micro-batches consumed per rank since the start, from the Trainer's `epoch` (epochs + micro / length)."""
         try:
             n = len(train_dataloader)
         except TypeError:
             return None
-        if not n:
-            return None
-        return int(round(state.epoch * n)) % n
+        return round(state.epoch * n) if n else None
+
+    @classmethod
+    def _micro_in_epoch(cls, state, train_dataloader) -> int | None:
+        consumed = cls._consumed(state, train_dataloader)
+        return None if consumed is None else consumed % len(train_dataloader)
 
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
         if not self.enabled:
             return
         self._args = args
+        self._start_accumulation = args.gradient_accumulation_steps
         self._off = (sharded_training(args) or "").startswith("DeepSpeed")
         if self._off:
             self.event(state.global_step, "guard_off", "accumulation control is off under DeepSpeed (its engine owns "
@@ -155,10 +193,19 @@ class AccumulationControl(StabilityCallback):
             raise ConfigError("training.max_steps: batch warmup / the thermal guard change gradient accumulation "
                               "during the run and need a fixed number of optimizer steps; set training.max_steps > 0")
         if state.global_step == 0:
+            self._micro_batches = 0
             self._check_capacity(args, kwargs.get("train_dataloader"))
-        # A fresh run starts at micro-batch 0 (aligned for any value); a resumed one at 1 until aligned.
+        # A fresh run starts at micro-batch 0 (aligned for any value); a run resumed at the exact data position
+        # continues with the accumulation it had; any other resume at 1 until aligned.
         self._current = None
-        self._set(state.global_step, self.desired if state.global_step == 0 else 1)
+        if state.global_step == 0:
+            start = self.desired
+        elif self._exact_resume and self._saved_current:
+            start = int(self._saved_current)
+        else:
+            start = 1
+        self._exact_resume = False
+        self._set(state.global_step, start)
 
     def _check_capacity(self, args, train_dataloader) -> None:
         if args.gradient_accumulation_steps != 1:
@@ -178,13 +225,18 @@ class AccumulationControl(StabilityCallback):
             raise ConfigError(
                 f"training.max_steps: {args.max_steps} steps with accumulation up to {self.target} need {need} "
                 f"micro-batches per rank, but the Trainer plans {epochs} epoch(s) of {per_epoch} (it sizes epochs "
-                f"for accumulation 1 when the accumulation changes during the run). Repeat the training set at "
-                f"least {math.ceil(need / per_epoch)}x (datasets.concatenate_datasets([ds] * k)), lower max_steps, "
-                "or turn batch warmup / the thermal guard off."
+                f"for accumulation 1 when the accumulation changes during the run). Train with "
+                "hf_stable.trainer.StableTrainer (the recipe's Trainer: it plans the data for a changing "
+                f"accumulation), or repeat the training set at least {math.ceil(need / per_epoch)}x "
+                "(datasets.concatenate_datasets([ds] * k)), lower max_steps, or turn batch warmup / the thermal "
+                "guard off."
             )
 
     def on_step_end(self, args, state, control, train_dataloader=None, **kwargs):
         if self.enabled and not self._off and self._args is not None:
+            consumed = self._consumed(state, train_dataloader)
+            if consumed is not None:
+                self._micro_batches = consumed
             want = self.desired
             if want != self._current:
                 micro = self._micro_in_epoch(state, train_dataloader)
@@ -195,3 +247,8 @@ class AccumulationControl(StabilityCallback):
                     self._waiting_since = state.global_step
             self.record({"batch/accumulation": float(self._current)})
         super().on_step_end(args, state, control, train_dataloader=train_dataloader, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.enabled and not self._off and self._args is not None:
+            args.gradient_accumulation_steps = self._start_accumulation  # a later train() plans as this one did
+        super().on_train_end(args, state, control, **kwargs)

@@ -61,9 +61,10 @@ from hf_stable.callbacks.guards.skip_guard import SkipGuard
 from hf_stable.config.guards import RollbackConfig
 from hf_stable.core.monitor_utils import collective_device
 from hf_stable.core.rank_agreement import agree, drop_gradients, rank_of
-from hf_stable.core.rollback_check import probe_snapshot, weights_damaged
+from hf_stable.core.rollback_check import probe_inputs, probe_snapshot, weights_damaged
 from hf_stable.core.snapshot import SnapshotStore, optimizer_params
 from hf_stable.core.snapshot_size import plan_storage, snapshot_size
+from hf_stable.core.step_tap import StepTap
 from hf_stable.distributed import sharded_training
 from hf_stable.errors import ConfigError
 
@@ -112,6 +113,7 @@ class RollbackGuard(StabilityCallback):
         self._store = SnapshotStore(storage)
         self._plan = (storage, verify)  # (storage, verify) in use, decided at train start
         self._rolled_back_at: int | None = None
+        self._good_inputs: list | None = None  # the last accepted step's micro-batches (references) for the check
         self._off = False
 
     # --- state ------------------------------------------------------------------------------------------
@@ -224,8 +226,11 @@ class RollbackGuard(StabilityCallback):
             snapshot = self._store.load()
             probes = probe_snapshot(model, optimizer_params(optimizer), snapshot["params"], args)
             saved = snapshot["guard_states"].get(self.skip_guard.state_key, {})
+            recent = None
+            if probes is not None and not probes[0].finite and probes[1].finite:  # agreed values: all ranks enter
+                recent = probe_inputs(model, optimizer_params(optimizer), self._good_inputs, args)
             damaged = None if probes is None else weights_damaged(
-                verdict.grad_norm, verdict.loss, *probes, judge=self.skip_guard.judge_with(saved))
+                verdict.grad_norm, verdict.loss, *probes, judge=self.skip_guard.judge_with(saved), recent=recent)
             del snapshot
             if damaged is False:
                 self._bad.clear()
@@ -260,13 +265,15 @@ class RollbackGuard(StabilityCallback):
                    backoff=backoff, rollbacks=self._rollbacks, check=checked)
         self.record({"guard/rollbacks": float(self._rollbacks)})
 
-    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+    def on_step_end(self, args, state, control, optimizer=None, model=None, **kwargs):
         if self.enabled and not self._off and optimizer is not None:
             verdict = self.skip_guard.last_verdict
             good = verdict is None or verdict.step != state.global_step or not verdict.skip
             if good and self._rolled_back_at != state.global_step:
+                if model is not None:  # a reference to the list the tap filled this step (it starts a new one)
+                    self._good_inputs = StepTap.shared(model).inputs
                 self._good_since += 1
                 self._held_said = False
                 if self._good_since >= self.interval(state.global_step) and self.skip_guard.healthy:
                     self.take_snapshot(state.global_step, optimizer)
-        super().on_step_end(args, state, control, optimizer=optimizer, **kwargs)
+        super().on_step_end(args, state, control, optimizer=optimizer, model=model, **kwargs)
