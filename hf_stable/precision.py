@@ -1,37 +1,18 @@
 """Reading fp16 loss scaling from callbacks: is the gradient about to overflow, was the step skipped, what scale.
 
-Under `fp16: true` the Trainer (through accelerate) multiplies the loss by a scale before backward, unscales
-the gradients before clipping and lets `torch.amp.GradScaler` *skip* the optimizer step and halve the scale
-when any gradient is inf/NaN. That is routine — it happens a few times at the start of every fp16 run — so a
-skip-step guard or a non-finite alarm must not treat it as a failure. These helpers let callbacks tell the
-two apart. They accept what callbacks receive as `optimizer` (accelerate's `AcceleratedOptimizer`, or its
-DeepSpeed wrapper) and return None when there is no loss scaling (fp32, bf16).
+Under `fp16: true` accelerate's `GradScaler` skips the optimizer step and halves the scale whenever a gradient is
+inf/NaN, routinely at the start of a run, so guards and alarms must tell that apart from a real failure. The
+helpers take what callbacks receive as `optimizer` (accelerate's wrapper, or DeepSpeed's) and return None without
+loss scaling (fp32, bf16):
 
-Where the numbers come from:
+* `unscale_gradients` (in `on_pre_optimizer_step`): unscales the gradients if accelerate has not yet (it has with
+  `max_grad_norm > 0`; the scaler unscales at most once per step) and says whether the scaler will skip the step.
+* `step_was_skipped` (in `on_optimizer_step` / `on_step_end`).
 
-* `on_pre_optimizer_step`: with `max_grad_norm > 0` accelerate has already unscaled the gradients (clipping
-  needs true values); with `max_grad_norm = 0` they are still multiplied by the scale. `unscale_gradients`
-  unscales them now if needed (GradScaler does it at most once per step, so the later `scaler.step` does not
-  unscale again) and says whether an inf/NaN was found — i.e. whether the scaler will skip this step.
-* `on_optimizer_step` / `on_step_end`: `step_was_skipped` says whether the scaler skipped the step.
-
-How a skip-step guard composes with the scaler: the guard skips by setting `p.grad = None` in
-`on_pre_optimizer_step` (after calling `unscale_gradients`). `scaler.step` then runs `optimizer.step()`,
-which leaves parameters without a gradient untouched (no momentum, no weight decay), and `scaler.update()`
-keeps the scale — the guard's skip does not count as an overflow. When the scaler itself found an overflow it
-skips the step anyway; the guard should log it as `fp16_overflow`, not as a bad step.
-
-Platform fact (checked with transformers 5.24 / accelerate 1.15): on CPU, `fp16: true` trains in plain fp32 —
-accelerate creates no GradScaler and no fp16 autocast for the CPU device, silently. Loss scaling therefore
-only happens on GPUs; `bf16: true` does use CPU autocast.
-
-Example:
-    >>> class Guard(TrainerCallback):
-    ...     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
-    ...         if unscale_gradients(optimizer):
-    ...             return  # fp16 overflow: the scaler skips this step and lowers the scale by itself
-    ...     def on_step_end(self, args, state, control, optimizer=None, **kw):
-    ...         if step_was_skipped(optimizer): ...
+A guard skips by setting `p.grad = None` after `unscale_gradients`: `scaler.step` then leaves those parameters
+untouched and `scaler.update()` keeps the scale. On CPU, `fp16: true` trains in plain fp32 (accelerate makes no
+scaler or fp16 autocast there, transformers 5.24 / accelerate 1.15); `bf16: true` does autocast on CPU
+(`training_autocast`).
 """
 
 from __future__ import annotations

@@ -1,42 +1,23 @@
 """`StableTrainer`: a `transformers.Trainer` whose gradient norm comes from the monitors' single `GradStats` pass.
 
-Every hf_stable callback works in a stock `Trainer`. The stock Trainer, though, reads every gradient once more on
-its own each step: `clip_grad_norm_` with `max_grad_norm > 0`, or `clip_grad_norm_(..., inf)` just to log
-`grad_norm` when `max_grad_norm=0` (which also multiplies every gradient by 1.0). `StableTrainer` overrides the two
-methods behind that (`_clip_grad_norm`, `_get_grad_norm`) so that:
+Every hf_stable callback works in a stock `Trainer`; this subclass removes what the stock one does twice or hides:
 
-* the norm is the shared `GradStats` result of the step (per-tensor L2 norms, one foreach pass), which the
-  monitors and guards then read from the cache: one pass over the gradients per step instead of two or three;
-* with `max_grad_norm > 0` it clips with the same global coefficient as torch's `clip_grad_norm_`
-  (`max_norm / (norm + 1e-6)`, at most 1), *after* the statistics are taken, so the monitors report pre-clip
-  numbers (a later max |g| read is rescaled by the recorded coefficient);
-* the statistics are taken here, before the `on_pre_optimizer_step` callbacks. A callback that changes a
-  gradient afterwards (gradient surgery, a fault injector) invalidates them (`GradStats` checks each gradient's
-  version counter), so the guards judge the gradients the optimizer applies, not the ones seen here;
-* the reporting integrations (`report_to`) run after the other callbacks, so they log hf_stable's metrics
-  (`hf_stable.callbacks.order_for_reporting`, which the stock Trainer needs called by hand);
-* the batch's ``record_ids`` (asked of hf_stable's collators: which training record each row / packed segment
-  is, see `hf_stable.data.identity`)
-  are taken out of the inputs before the forward - the model never sees them - and handed to the `StepTap`,
-  which keeps them with the micro-batch for the spike forensics; the train sampler skips quarantined records
-  (`hf_stable.forensics.quarantine`, only with an ``auto`` `SpikeForensics` among the callbacks);
-* a non-finite norm leaves the gradients as they are. The stock clip multiplies every gradient by
-  `max_norm / NaN` = NaN, which hides which parameter went bad (the non-finite locator then needs a re-run);
-  the skip guard drops such a step either way, and without guards the run is broken either way.
+* `_clip_grad_norm` / `_get_grad_norm` use the step's shared `GradStats` (one foreach pass read by the monitors and
+  guards too) instead of reading every gradient again; the clip uses torch's coefficient `max_norm / (norm + 1e-6)`
+  after the statistics, so monitors report pre-clip numbers. A gradient changed later by a callback invalidates
+  them (version counters), so guards judge what the optimizer applies. A non-finite norm leaves the gradients as
+  they are (the stock clip turns every gradient NaN and hides which parameter went bad).
+* Reporting integrations run after our callbacks (`order_for_reporting`), so they log hf_stable's metrics.
+* The batch's ``record_ids`` (`data.identity`) are popped before the forward and handed to the `StepTap` for the
+  spike forensics; the train sampler skips quarantined records (`forensics.quarantine`).
+* With a guard that changes gradient accumulation (batch warmup, thermal), the sampler is an `EpochStreamSampler`
+  holding every micro-batch the plan can ask for, and a resume skips the micro-batches really consumed (not
+  `global_step x accumulation`), so it continues bit for bit.
 
-When a guard changes gradient accumulation during the run (batch warmup, the thermal guard: an enabled
-`AccumulationControl` among the callbacks), the data is planned for it: the train sampler is an
-`EpochStreamSampler` holding every micro-batch the plan can ask for (the data's reshuffled epochs back to back;
-the stock Trainer plans epochs for the accumulation at train start and would run out), and a resumed run skips the
-micro-batches the interrupted run really consumed, not `global_step x accumulation`, so it continues bit for bit.
-
-The logged `grad_norm` is the same quantity (fp32 accumulation; the stock value is accumulated in the gradient
-dtype). Anything this class cannot read exactly falls back to the stock methods: DeepSpeed, FSDP, XLA, mixed
-device meshes, SageMaker model parallel.
+DeepSpeed, FSDP, XLA, mixed device meshes and SageMaker MP fall back to the stock methods.
 
 Example:
-    >>> from hf_stable.trainer import StableTrainer
-    >>> trainer = StableTrainer(model=model, args=args, train_dataset=ds, callbacks=build_monitors(cfg))
+    >>> trainer = StableTrainer(model=model, args=args, train_dataset=ds, callbacks=build_callbacks(cfg, args))
 """
 
 from __future__ import annotations

@@ -1,33 +1,19 @@
 """`GradStats`: every gradient statistic of one optimizer step, computed once, on device, with one host transfer.
 
-Why it exists: a per-parameter loop of `p.grad.norm().item()` forces one device→host sync per tensor (hundreds
-per step on a real model). Here the per-tensor L2 norms and max-|g| come from two foreach-norm calls (`compat`),
-per-group sums from `index_add_`, and everything a monitor needs (group norms, global norm, max |grad| and
-where, non-finite tensors per group, plus on-device scalars other monitors attach, e.g. the step's loss) is
-packed into one tensor and moved to the host with a single `.tolist()`.
+A per-parameter `p.grad.norm().item()` loop syncs once per tensor. Here per-tensor L2 norms and max-|g| come from
+two foreach-norm calls (`compat`), per-group sums from `index_add_`, and everything the monitors need (group and
+global norms, max |grad| and where, non-finite tensors per group, scalars other monitors attach such as the loss)
+is packed into one tensor and read with a single `.tolist()`.
 
-One computation per step is shared by monitors and guards: `GradStats.shared(model)` returns the same object for
-the same model, and results are cached per step, keyed by the step number and a fingerprint of the gradients: each
-gradient tensor's identity and version counter (`Tensor._version`, bumped by every in-place op). A gradient changed
-after the statistics were taken - by a user's callback, gradient surgery, a fault - changes the fingerprint, so the
-next reader gets statistics of the gradients the optimizer will apply (on the same pre-clip scale). hf_stable's own
-edits (`StableTrainer`'s clip, `ClipGuard`) run inside `edited()`, which keeps the cached pre-edit numbers: the
-monitors report pre-clip statistics. Dropping every gradient (a skip) keeps the step's report too. Not seen: writes
-through `p.grad.data`, which bypass the version counter. Cost of a check: two attribute reads per tensor.
-
-Ranks: the host numbers are the same on every rank. Each rank's vector is gathered in the one transfer (one
-collective per step label, keyed by the label alone so that a rank whose gradient cache missed does not enter a
-second one), and the report holds the worst rank's value of each statistic: under DDP the ranks' gradients are
-identical after the all-reduce, so this changes nothing, but a gradient changed on one rank afterwards (a fault,
-a callback) is seen - and judged - by every rank alike. `rank_norms` keeps each rank's global norm.
-
-When to call it (Trainer): in `on_pre_optimizer_step`, with `step=state.global_step`. There the gradients are
-accumulated, all-reduced (DDP) and unscaled (fp16). With `TrainingArguments.max_grad_norm > 0` they are also
-already clipped; the recipe sets `max_grad_norm=0` and clips per group itself (using `device_stats`, no host sync).
-Caveat measured on transformers 5.24: even with `max_grad_norm=0` the Trainer calls
-`clip_grad_norm_(params, inf)` to log `grad_norm`; its coefficient is `inf / (norm + 1e-6)` = NaN when any
-gradient is non-finite, so by this hook *every* gradient is NaN. Counts per group then cannot name the culprit;
-`NonFiniteLocator` re-runs the batch to do that.
+* Shared: `GradStats.shared(model)` is one object per model, cached per step and keyed by a fingerprint of the
+  gradients (tensor identity + version counter), so a gradient changed after the statistics were taken (a user's
+  callback, a fault) is recomputed and guards judge what the optimizer applies. Our own clips run inside
+  `edited()` and keep the pre-clip numbers. Not seen: writes through `p.grad.data`.
+* Ranks: each rank's vector is gathered in the same transfer (one collective per step label) and the report holds
+  the worst rank's value of each statistic, identical on every rank; `rank_norms` keeps each rank's global norm.
+* When: `on_pre_optimizer_step` with `step=state.global_step` (gradients accumulated, all-reduced, unscaled; with
+  `max_grad_norm > 0` also clipped by the stock Trainer, whose inf-clip turns every gradient NaN on a non-finite
+  norm - `StableTrainer` avoids both).
 """
 
 from __future__ import annotations

@@ -1,37 +1,21 @@
 """`AccumulationControl`: change gradient accumulation between optimizer steps, correctly, inside the stock Trainer.
 
-How (transformers 5.24, verified in `tests/test_guards_accumulation.py`): the Trainer's epoch loop re-reads
-`args.gradient_accumulation_steps` at every optimizer step — it fetches that many micro-batches, counts their
-supervised tokens (`num_items_in_batch`, summed over ranks) and each micro-batch loss is `sum / num_items`. So
-changing the attribute between steps changes the effective batch with the per-token loss normalisation still
-exact: the accumulated gradient is the gradient of the token-mean loss over exactly the micro-batches of that
-step (and without `num_items_in_batch` the Trainer divides by the number of fetched micro-batches).
+The Trainer re-reads `args.gradient_accumulation_steps` at every optimizer step, fetches that many micro-batches
+and normalises by their supervised tokens (`num_items_in_batch`), so changing it between steps keeps the
+per-token loss exact (verified in `tests/test_guards_accumulation.py`). Two constraints:
 
-Two constraints make it correct:
+* **Alignment**: the Trainer steps at `(micro_index + 1) % accumulation == 0` counted from the epoch start, so a new
+  value `k` applies only at a step end where the epoch's consumed micro-batches are a multiple of `k` (waits a
+  step or two otherwise).
+* **Loop size**: the run starts at accumulation 1 (`guard_training_overrides`; a start value > 1 is refused), and
+  the Trainer plans epochs for 1 only. `StableTrainer` feeds such a run from an `EpochStreamSampler` sized by
+  `planned_micro_batches`; with the stock Trainer the guard checks the data holds enough and else raises a
+  ConfigError naming the numbers.
 
-* **Alignment.** The Trainer decides "optimizer step now" with `(micro_index + 1) % accumulation == 0`, where
-  `micro_index` counts micro-batches from the start of the epoch. A new value `k` is applied only at a step end
-  where the micro-batches consumed in this epoch are a multiple of `k` (read from `state.epoch` x the
-  dataloader length), else it waits — at most a few steps (2 -> 4: one; 8 -> 6: two).
-* **Loop size.** The Trainer sizes its loop from the accumulation at train start: with 1 (the recipe forces it,
-  `guard_training_overrides`) every update step may fetch any number of micro-batches and the epoch's last,
-  partial step still gets the right normalisation; a start value > 1 is refused, because the Trainer's last step
-  of each epoch fetches a fixed remainder that a changed accumulation would split wrongly. The price: with
-  `max_steps > 0` the Trainer plans `ceil(max_steps / L)` epochs of L micro-batches — enough for accumulation 1
-  only. `StableTrainer` (the recipe's Trainer) therefore trains such a run on an `EpochStreamSampler`: the data's
-  reshuffled epochs back to back, as many as `planned_micro_batches` needs (batch warmup's schedule, the full target
-  otherwise), seen by the Trainer as one epoch. With the stock Trainer the guard checks at train start that the data
-  holds the micro-batches the plan needs and otherwise stops with a ConfigError naming the numbers.
-
-The LR factor `accumulation` (in `LRControl`) compensates the smaller batch: `(k / target) ** 0.5` (sqrt) or
-`k / target` (linear). Requests from guards (batch warmup, thermal) are ratios of the target and multiply.
-
-Resume: the Trainer skips `global_step x start_accumulation` micro-batches of the resumed epoch (it assumes a fixed
-accumulation). The guard saves the micro-batches really consumed (`micro_batches`) and `StableTrainer` skips exactly
-those; the accumulation in use is then restored as it was, so a resumed run continues bit for bit. With the stock
-Trainer the data position is approximate and the accumulation restarts at 1 until the first aligned step.
-
-Limits: DeepSpeed keeps its own accumulation (the guard says it is off).
+The LR factor `accumulation` (in `LRControl`) compensates a smaller batch: `(k / target) ** 0.5` or `k / target`
+(`optim.rescale_lr`). Resume: the micro-batches really consumed are saved (`micro_batches`) and `StableTrainer`
+skips exactly those (the stock Trainer assumes `global_step x accumulation`). DeepSpeed keeps its own accumulation
+(the guard says it is off).
 """
 
 from __future__ import annotations

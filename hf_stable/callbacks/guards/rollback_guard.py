@@ -1,52 +1,22 @@
 """`RollbackGuard`: after K bad steps within a window, restore the last good weights and optimizer state exactly,
-then lower the LR.
+then lower the LR (factor `rollback` in `LRControl`, times `lr_backoff`, kept on top of the schedule).
 
-Snapshots (`SnapshotStore`) hold the parameters the optimizer updates, the optimizer state and the references of
-the guards that learn from accepted steps (the skip guard's loss and grad-norm references, the adaptive clip
-statistics): in CPU memory, or in `<output_dir>/hf_stable_rollback/rank<r>.pt` with `storage="disk"`. One is taken
-at train start and then after every `interval` good steps (in `on_step_end`, after the update), postponed while
-the skip guard sees the loss rising (a snapshot must not capture a divergence in progress). Restoring puts the
-weights, the optimizer state and those references back, so the guards judge the restored run by what was normal
-at the snapshot, not by the run being undone (the initial snapshot has no references: they restart from the next
-accepted step, see `SkipGuard.after_rollback`). The LR factor `rollback` (see `LRControl`) is then multiplied by
-`lr_backoff` and persists on top of the schedule.
-
-Fresh snapshots: the interval is `min(snapshot_every, max(snapshot_min_every, ceil(snapshot_share x step)))`
-good steps, so a rollback undoes about `snapshot_share` of the steps done (at least `snapshot_min_every`, at
-most `snapshot_every`) instead of everything since step 0 for a fault before `snapshot_every`. The interval is a
-function of `global_step` and the agreed good-step count, which are restored on resume: snapshots fall on the
-same steps in a resumed and an uninterrupted run, on every rank.
-
-Host memory: before the first snapshot the guard sizes it (`snapshot_size`): trainable weights plus the optimizer
-state as the optimizer will hold it, plus the rollback check's copy of the weights. When that does not fit in
-`host_memory_share` of the available host memory (split over the ranks on the host), snapshots go to disk (event
-`guard_notice`); when they fit nowhere, `ConfigError` says what to set. The decision is agreed over ranks.
-
-Escalation (`escalate=True`): a rollback to the same snapshot as the previous one (no snapshot taken in between, so
-no progress was kept), after the run had recovered for at least one good step, raises the exponent: the factor is
-multiplied by `lr_backoff**k` for the k-th such escalation, i.e. 0.5, then 0.25, then 0.125 (cumulative 0.5, 0.125,
-0.0156). Training that recovers at the lower LR and then diverges again shows the LR overshoots the stable range by
-more than one backoff; stepping faster wastes fewer steps on doomed retries, and the factor lands clearly below
-the edge of stability instead of on it (a 10x LR in `benchmarks/rescue.py` ended at 2.5x the tuned LR with plain
-halving, 6 % worse, and within 1 % with escalation). A new snapshot starts again at `lr_backoff`.
-
-Data or weights (`verify=True`): before restoring, the step's batch is re-run at the current and at the snapshot's
-weights (`rollback_check`) and the snapshot's numbers are judged by the skip rules with the references recorded
-with the snapshot (an early snapshot's loss is high by nature; today's references would call it bad). When the
-batch is as bad at the snapshot's weights, the data is bad and the weights are not damaged (every bad step was
-skipped), so the guard declines (event `rollback_declined`): no restore, no LR change, the good steps since the
-snapshot are kept. A 10-batch burst of garbage in `benchmarks/rescue.py` (`poison_burst`) cost 5-7 % of eval loss
-through an unneeded rollback without this check.
-
-Bursts: when K more bad steps follow a rollback with no step applied in between, the weights and optimizer state
-are still exactly the snapshot's and the LR was never used, so restoring again would only lower the LR. The guard
-then keeps skipping without a rollback or backoff (event `rollback_held`, once per burst): a run of bad batches is
-a data fault, and punishing the LR for it would slow the rest of the run.
-
-What is not rewound: the data stream and the schedule. The batches that triggered the rollback are therefore
-never seen again, and the good batches trained since the snapshot are dropped (the event says how many steps).
-Bad steps come from the agreed `SkipGuard` verdicts, so every rank rolls back at the same step without another
-collective.
+* Snapshots (`core.snapshot`): the parameters the optimizer updates, its state and the references of the guards that
+  learn from accepted steps (skip references, adaptive clip statistics), so the restored run is judged by what was
+  normal at the snapshot. Taken at train start, then every `min(snapshot_every, max(snapshot_min_every,
+  ceil(snapshot_share x step)))` good steps (a rollback undoes about `snapshot_share` of the run), postponed while
+  the loss rises; a function of agreed, resumed counters, so the same steps on every rank and after a resume.
+* Host memory: sized before the first snapshot (`core.snapshot_size`); one that does not fit `host_memory_share` of
+  the available memory goes to disk (`guard_notice`), one that fits nowhere is a `ConfigError`; agreed over ranks.
+* `escalate`: a repeat rollback to the same snapshot after the run had recovered multiplies by `lr_backoff**k`
+  (0.5, 0.25, 0.125): the LR overshoots by more than one backoff (`benchmarks/rescue.py` lr_10x: 6 % -> 1 %).
+* `verify` (`core.rollback_check`): the step's batch is re-run at the current and the snapshot's weights, the
+  snapshot judged by its own references; as bad there (bad data) or a non-finite batch at weights that still handle
+  the last accepted batch (an input that overflows) -> `rollback_declined`, nothing restored, LR unchanged.
+* More bad steps right after a rollback with nothing applied since -> only skipped (`rollback_held`): the weights
+  are still the snapshot's, another restore would only cut the LR.
+* Not rewound: the data stream and the schedule (the event says how many good steps were dropped). Bad steps come
+  from the agreed `SkipGuard` verdicts, so every rank rolls back at the same step with no extra collective.
 """
 
 from __future__ import annotations
