@@ -126,7 +126,7 @@ def run(train_file: Path, out: Path, arm: str, seed: int, steps: int) -> dict:
             "true" if arm in ("screen", "report") else "false",
         ]
     started = time.time()
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{arm} run failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((out / "run_summary.json").read_text())

@@ -43,14 +43,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 os.environ.setdefault("HF_STABLE_LOG_LEVEL", "ERROR")
 
-import torch  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+import torch
+from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rescue import _quiet  # noqa: E402
-from rescue_cases import LENGTH, VOCAB, markov_ids, rows  # noqa: E402
+from rescue import _quiet
+from rescue_cases import LENGTH, VOCAB, markov_ids, rows
 
-from hf_stable.callbacks.base import StabilityCallback  # noqa: E402
+from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.compat import foreach_mul_
 
 CASES = ("clean", "nan_grad", "spike", "fwd_overflow", "damage")
@@ -123,8 +123,16 @@ def tiny_qwen3(seed: int = 0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=LENGTH)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=LENGTH,
+    )
     return Qwen3ForCausalLM(config)
 
 
@@ -151,10 +159,23 @@ def run(method: str, case: str, seed: int, steps: int, lr: float) -> dict:
     train = rows(markov_ids(steps * BATCH, seed=100 + seed, table_seed=1234))
     evals = rows(markov_ids(128, seed=999, table_seed=1234))
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
-        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=BATCH, per_device_eval_batch_size=64,
-                                 report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=10,
-                                 dataloader_num_workers=0, lr_scheduler_type="cosine", warmup_steps=5,
-                                 max_steps=steps, learning_rate=lr, seed=seed, **extra)
+        args = TrainingArguments(
+            output_dir=tmp,
+            per_device_train_batch_size=BATCH,
+            per_device_eval_batch_size=64,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            logging_steps=10,
+            dataloader_num_workers=0,
+            lr_scheduler_type="cosine",
+            warmup_steps=5,
+            max_steps=steps,
+            learning_rate=lr,
+            seed=seed,
+            **extra,
+        )
         cls = StableTrainer if method == "stable" else Trainer
         trainer = cls(model=model, args=args, train_dataset=train, eval_dataset=evals, callbacks=callbacks + late)
         trainer.train()
@@ -170,10 +191,17 @@ def run(method: str, case: str, seed: int, steps: int, lr: float) -> dict:
     events = [e for cb in callbacks for e in getattr(cb, "events", [])]
     rollbacks = [(e["step"], e["value"]) for e in events if e["kind"] == "rollback"]
     undone = [step - snap for step, snap in rollbacks]
-    return {"eval_loss": eval_loss, "faults": sorted(at), "skips": len(skipped), "reasons": reasons,
-            "rollbacks": kinds.count("rollback"), "declined": kinds.count("rollback_declined"),
-            "resets": kinds.count("skip_reference_reset"), "undone": undone,
-            "worst_share": max((u / step for u, (step, _) in zip(undone, rollbacks)), default=0.0)}
+    return {
+        "eval_loss": eval_loss,
+        "faults": sorted(at),
+        "skips": len(skipped),
+        "reasons": reasons,
+        "rollbacks": kinds.count("rollback"),
+        "declined": kinds.count("rollback_declined"),
+        "resets": kinds.count("skip_reference_reset"),
+        "undone": undone,
+        "worst_share": max((u / step for u, (step, _) in zip(undone, rollbacks, strict=False)), default=0.0),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,10 +222,12 @@ def main(argv: list[str] | None = None) -> None:
             for case in ["clean", *[c for c in opts.cases if c != "clean"]]:
                 r = results[(seed, method, case)] = run(method, case, seed, opts.steps, opts.lr)
                 loss = f"{r['eval_loss']:.3f}" if math.isfinite(r["eval_loss"]) else "nan"
-                print(f"seed {seed} {method:<6} {case:<12} eval {loss:>6}  faults {r['faults']}  skips {r['skips']} "
-                      f"{r['reasons']}  rollbacks {r['rollbacks']} (undone {r['undone']})  declined "
-                      f"{r['declined']}  reference resets {r['resets']}  worst share undone {r['worst_share']:.2f}",
-                      flush=True)
+                print(
+                    f"seed {seed} {method:<6} {case:<12} eval {loss:>6}  faults {r['faults']}  skips {r['skips']} "
+                    f"{r['reasons']}  rollbacks {r['rollbacks']} (undone {r['undone']})  declined "
+                    f"{r['declined']}  reference resets {r['resets']}  worst share undone {r['worst_share']:.2f}",
+                    flush=True,
+                )
     ok = n = 0
     for (seed, method, case), r in results.items():
         if method == "plain" or case == "clean":

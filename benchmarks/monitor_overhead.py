@@ -45,18 +45,18 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from transformers.trainer_callback import PrinterCallback  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback
+from transformers.utils import logging as hf_logging
 
-from hf_stable.callbacks.base import StabilityCallback  # noqa: E402
-from hf_stable.callbacks.monitors import build_monitors  # noqa: E402
-from hf_stable.config import MonitorsConfig  # noqa: E402
-from hf_stable.core.grad_stats import GradStats  # noqa: E402
-from hf_stable.core.step_tap import StepTap  # noqa: E402
-from hf_stable.optim.roles import group_parameters  # noqa: E402
-from hf_stable.trainer import StableTrainer  # noqa: E402
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.monitors import build_monitors
+from hf_stable.config import MonitorsConfig
+from hf_stable.core.grad_stats import GradStats
+from hf_stable.core.step_tap import StepTap
+from hf_stable.optim.roles import group_parameters
+from hf_stable.trainer import StableTrainer
 
 logging.getLogger("hf_stable").setLevel(logging.ERROR)
 hf_logging.set_verbosity_error()
@@ -112,8 +112,15 @@ class ToggleTrainer(StableTrainer):
 
 def build_model(layers: int, hidden: int, lora: bool):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     model = LlamaForCausalLM(cfg)
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -135,18 +142,27 @@ def run_trainer(model, data, steps: int, out: str, stable: bool) -> tuple[list[f
     clock = StepClock()
     monitors = build_monitors(MonitorsConfig())
     switch = Alternate(monitors)
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=steps, logging_steps=10,
-                             report_to=[], use_cpu=DEVICE == "cpu", save_strategy="no", disable_tqdm=True,
-                             learning_rate=1e-4,
-                             dataloader_num_workers=0, seed=0)
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=8,
+        max_steps=steps,
+        logging_steps=10,
+        report_to=[],
+        use_cpu=DEVICE == "cpu",
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-4,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     cls = ToggleTrainer if stable else Trainer
     trainer = cls(model=model, args=args, train_dataset=data, callbacks=[switch, *monitors, clock])
     switch.trainer = trainer if stable else None
     trainer.remove_callback(PrinterCallback)  # no log lines inside the timing
     trainer.train()
-    durations = [b - a for a, b in zip(clock.marks, clock.marks[1:])]  # step k+1's time, k >= 1
+    durations = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]  # step k+1's time, k >= 1
     plain, monitored = [], []
-    for flag, d in list(zip(switch.flags[1:], durations))[2:]:  # the first steps warm up
+    for flag, d in list(zip(switch.flags[1:], durations, strict=False))[2:]:  # the first steps warm up
         (monitored if flag else plain).append(d)
     return plain, monitored
 
@@ -210,8 +226,12 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=60, help="interleaved repeats of the grad-stats timing")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: least disturbed by load)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="auto: cuda when available (where each naive .item() stalls the stream), else cpu")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: cuda when available (where each naive .item() stalls the stream), else cpu",
+    )
     args = parser.parse_args(argv)
     global DEVICE
     DEVICE = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -228,20 +248,28 @@ def main(argv=None) -> int:
         naive, ours = grad_stats_speed(copy.deepcopy(base), args.repeats)
         rows.append((f"{label} ({n_train}/{n_all} tensors)", stock, stable, naive, ours, n_train))
 
-    print(f"{'setting':<40}{'plain ms':>9}{'stock+mon':>10}{'ratio':>7}{'Stable+mon':>11}{'ratio':>7}"
-          f"{'naive ms':>9}{'ours ms':>8}{'speed-up':>9}{'transfers':>11}")
+    print(
+        f"{'setting':<40}{'plain ms':>9}{'stock+mon':>10}{'ratio':>7}{'Stable+mon':>11}{'ratio':>7}"
+        f"{'naive ms':>9}{'ours ms':>8}{'speed-up':>9}{'transfers':>11}"
+    )
     for label, stock, stable, naive, ours, n_train in rows:
         plain = statistics.median([stock[1], stable[1]])
-        print(f"{label:<40}{plain * 1e3:>9.2f}{stock[2] * 1e3:>10.2f}{stock[0]:>7.3f}{stable[2] * 1e3:>11.2f}"
-              f"{stable[0]:>7.3f}{naive * 1e3:>9.3f}{ours * 1e3:>8.3f}{naive / ours:>9.1f}{f'{3 * n_train}/1':>11}")
-    print("ratio: median over runs of (median monitored step / median plain step), steps alternating within a run; "
-          "plain = the stock Trainer with its default max_grad_norm=1.0 clip. stock+mon: the monitors as callbacks "
-          "in the stock Trainer (its clip reads the gradients again); Stable+mon: the same callbacks in "
-          "StableTrainer (the recipe's Trainer: its clip and grad_norm reuse the monitors' pass). speed-up: naive "
-          "per-tensor .item() loop / GradStats.compute(max_abs=True), same statistics; transfers: device->host "
-          "reads per step, naive / ours")
-    print(f"wall time {time.perf_counter() - t_start:.0f} s; device {DEVICE}; "
-          f"torch CPU threads {torch.get_num_threads()}")
+        print(
+            f"{label:<40}{plain * 1e3:>9.2f}{stock[2] * 1e3:>10.2f}{stock[0]:>7.3f}{stable[2] * 1e3:>11.2f}"
+            f"{stable[0]:>7.3f}{naive * 1e3:>9.3f}{ours * 1e3:>8.3f}{naive / ours:>9.1f}{f'{3 * n_train}/1':>11}"
+        )
+    print(
+        "ratio: median over runs of (median monitored step / median plain step), steps alternating within a run; "
+        "plain = the stock Trainer with its default max_grad_norm=1.0 clip. stock+mon: the monitors as callbacks "
+        "in the stock Trainer (its clip reads the gradients again); Stable+mon: the same callbacks in "
+        "StableTrainer (the recipe's Trainer: its clip and grad_norm reuse the monitors' pass). speed-up: naive "
+        "per-tensor .item() loop / GradStats.compute(max_abs=True), same statistics; transfers: device->host "
+        "reads per step, naive / ours"
+    )
+    print(
+        f"wall time {time.perf_counter() - t_start:.0f} s; device {DEVICE}; "
+        f"torch CPU threads {torch.get_num_threads()}"
+    )
     worst_speedup = min(r[3] / r[4] for r in rows)
     print(f"stock_trainer_overhead={max(r[1][0] for r in rows):.3f}")
     print(f"monitor_overhead={max(r[2][0] for r in rows):.3f} naive_vs_ours={worst_speedup:.1f}")

@@ -284,6 +284,6 @@ class Checkpoints(TrainerCallback):
 
     @torch.no_grad()
     def restore(self) -> int:
-        for p, saved in zip(trainable(self.model), self.saved):
+        for p, saved in zip(trainable(self.model), self.saved, strict=False):
             p.copy_(saved)
         return self.step

@@ -5,4 +5,4 @@ from hf_stable.errors import ConfigError, DataError, HfStableError, ModelError
 
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (dynamic), the model card prints it
 
-__all__ = ["ConfigError", "DataError", "HfStableError", "ModelError", "RunConfig", "load_config", "__version__"]
+__all__ = ["ConfigError", "DataError", "HfStableError", "ModelError", "RunConfig", "__version__", "load_config"]

@@ -55,7 +55,7 @@ def exact_match(
                     pad_token_id=pad,
                     eos_token_id=tokenizer.eos_token_id,
                 )
-            for rec, row in zip(chunk, out[:, width:].tolist()):
+            for rec, row in zip(chunk, out[:, width:].tolist(), strict=False):
                 if tokenizer.eos_token_id in row:
                     row = row[: row.index(tokenizer.eos_token_id)]
                 answer = tokenizer.decode(row, skip_special_tokens=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from functools import lru_cache
+from functools import cache
 
 from hf_stable.errors import MissingDependencyError
 
@@ -15,7 +15,7 @@ _EXTRA_OF = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _has(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None

@@ -89,7 +89,9 @@ class StableTrainer(Trainer):
         record_ids = inputs.pop(RECORD_IDS_KEY, None) if isinstance(inputs, dict) else None
         if record_ids is not None and self.model is not None:
             StepTap.shared(self.model).note_record_ids(record_ids)
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     def _clip_grad_norm(self, model):
         norm = self._shared_norm(model, self.args.max_grad_norm)

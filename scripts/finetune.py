@@ -14,24 +14,24 @@ import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from transformers import set_seed  # noqa: E402
+from transformers import set_seed
 
-from hf_stable.callbacks import build_callbacks  # noqa: E402
-from hf_stable.callbacks.guards import guard_training_overrides  # noqa: E402
-from hf_stable.callbacks.preemption_callback import exit_if_preempted  # noqa: E402
-from hf_stable.checkpoints import resolve_resume  # noqa: E402
-from hf_stable.config import load_config, training_arguments  # noqa: E402
-from hf_stable.data import build_data  # noqa: E402
-from hf_stable.distributed import prepare_launch, shutdown  # noqa: E402
-from hf_stable.doctor import preflight  # noqa: E402
-from hf_stable.evaluation import evaluate_run  # noqa: E402
-from hf_stable.logging import get_logger, is_main_process, print_main  # noqa: E402
-from hf_stable.modeling import apply_lora, count_parameters, load_model, load_tokenizer, resolve_base  # noqa: E402
-from hf_stable.optim import build_optimizer, format_group_table, group_table  # noqa: E402
-from hf_stable.optim.phases import wrap_for_phases  # noqa: E402
-from hf_stable.outputs import OutputDir, error_boundary  # noqa: E402
-from hf_stable.reporting import finalize_outputs  # noqa: E402
-from hf_stable.trainer import StableTrainer  # noqa: E402
+from hf_stable.callbacks import build_callbacks
+from hf_stable.callbacks.guards import guard_training_overrides
+from hf_stable.callbacks.preemption_callback import exit_if_preempted
+from hf_stable.checkpoints import resolve_resume
+from hf_stable.config import load_config, training_arguments
+from hf_stable.data import build_data
+from hf_stable.distributed import prepare_launch, shutdown
+from hf_stable.doctor import preflight
+from hf_stable.evaluation import evaluate_run
+from hf_stable.logging import get_logger, is_main_process, print_main
+from hf_stable.modeling import apply_lora, count_parameters, load_model, load_tokenizer, resolve_base
+from hf_stable.optim import build_optimizer, format_group_table, group_table
+from hf_stable.optim.phases import wrap_for_phases
+from hf_stable.outputs import OutputDir, error_boundary
+from hf_stable.reporting import finalize_outputs
+from hf_stable.trainer import StableTrainer
 
 logger = get_logger("finetune")
 

@@ -49,14 +49,30 @@ def make_tiny_model(arch: str, tokenizer, seed: int = 0, attn_implementation: st
 def tiny_args(tmp: Path, arch: str = "llama", *extra: str) -> list[str]:
     """The default recipe on a seconds-to-build tiny base (no pretraining) and 64 training records."""
     return [
-        "--model.name_or_path", f"embedded:tiny-{arch}",
-        "--model.embedded.hidden_size", "64", "--model.embedded.intermediate_size", "128",
-        "--model.embedded.num_hidden_layers", "2", "--model.embedded.vocab_size", "512",
-        "--model.embedded.pretrain_steps", "0", "--model.embedded.cache_dir", str(tmp / "bases"),
-        "--data.train_file", str(tmp / "data" / "train.jsonl"), "--data.eval_file", str(tmp / "data" / "eval.jsonl"),
-        "--training.per_device_train_batch_size", "8", "--training.output_dir", str(tmp / "out"),
+        "--model.name_or_path",
+        f"embedded:tiny-{arch}",
+        "--model.embedded.hidden_size",
+        "64",
+        "--model.embedded.intermediate_size",
+        "128",
+        "--model.embedded.num_hidden_layers",
+        "2",
+        "--model.embedded.vocab_size",
+        "512",
+        "--model.embedded.pretrain_steps",
+        "0",
+        "--model.embedded.cache_dir",
+        str(tmp / "bases"),
+        "--data.train_file",
+        str(tmp / "data" / "train.jsonl"),
+        "--data.eval_file",
+        str(tmp / "data" / "eval.jsonl"),
+        "--training.per_device_train_batch_size",
+        "8",
+        "--training.output_dir",
+        str(tmp / "out"),
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def make_workdir(tmp: Path) -> Path:

@@ -442,7 +442,10 @@ def test_settings_and_config_validation():
         AttentionSettings(softcap=-1.0)
     problems: list[str] = []
     build_section(
-        AttentionConfig, {"implementation": "sdpa", "softcap": 50.0, "qk_clip_alpha": 2.0, "monitor_interval": -1}, "attention", problems
+        AttentionConfig,
+        {"implementation": "sdpa", "softcap": 50.0, "qk_clip_alpha": 2.0, "monitor_interval": -1},
+        "attention",
+        problems,
     )
     text = "\n".join(problems)
     assert "attention.implementation" in text and "qk_clip_alpha" in text and "monitor_interval" in text

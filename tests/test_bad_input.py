@@ -60,11 +60,13 @@ def write_jsonl(path: Path, lines: list[str]) -> Path:
         (["--training.max_steps", "0"], "training.max_steps: got 0, must be > 0, or -1"),
         (["--training.save_steps", "0"], "training.save_steps: got 0.0, must be > 0"),
         (["--training.report_to", "[none_such]"], "training.report_to: 'none_such' is not an integration"),
-        (["--training.max_steps", "-1", "--stability.guards.batch_warmup.enabled", "true"],
-         "training.max_steps: got -1; stability.guards.batch_warmup"),
+        (
+            ["--training.max_steps", "-1", "--stability.guards.batch_warmup.enabled", "true"],
+            "training.max_steps: got -1; stability.guards.batch_warmup",
+        ),
         (["--training.learning_rate", "0"], "training.learning_rate: got 0.0, must be > 0"),
     ],
-)  # fmt: skip
+)
 def test_config_only_problems_stop_before_anything_is_built(recipe, capsys, tmp_path, override, needle):
     out = tmp_path / "out"
     started = time.monotonic()
@@ -92,7 +94,9 @@ def test_yaml_alias_bomb_is_refused_quickly_naming_the_key(recipe, capsys, tmp_p
     lines = ['  a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     lines += [f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
     bomb = tmp_path / "bomb.yaml"
-    bomb.write_text("# 9 levels x 9 aliases: 9**9 values\nanchors:\n" + "\n".join(lines) + "\nlora:\n  target_modules: *a8\n")
+    bomb.write_text(
+        "# 9 levels x 9 aliases: 9**9 values\nanchors:\n" + "\n".join(lines) + "\nlora:\n  target_modules: *a8\n"
+    )
     started = time.monotonic()
     err = refused(recipe, capsys, ["--config", str(bomb), "--training.output_dir", str(tmp_path / "out")])
     assert time.monotonic() - started < 10

@@ -72,9 +72,18 @@ def _build(kind: str, tmp_path, tokenizer, order: bool = True):
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
-        args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
-                         max_grad_norm=0.0, lr_scheduler_type="constant", learning_rate=1e-3,
-                         gradient_checkpointing=False, **args_kw)
+        args = SFTConfig(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+            learning_rate=1e-3,
+            gradient_checkpointing=False,
+            **args_kw,
+        )
     else:
         args = training_args(tmp_path, **args_kw)
     ours = build_callbacks(RunConfig(), args)
@@ -83,8 +92,9 @@ def _build(kind: str, tmp_path, tokenizer, order: bool = True):
     rows = token_data(16)
     if kind == "sft":
         data = Dataset.from_list([{"input_ids": r["input_ids"].tolist()} for r in rows])
-        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                             callbacks=[user, *ours])
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[user, *ours]
+        )
     else:
         cls = StableTrainer if kind == "stable" else Trainer
         trainer = cls(model=model, args=args, train_dataset=rows, callbacks=[user, *ours])
@@ -106,8 +116,10 @@ def test_user_callback_runs_first_and_reporters_get_our_metrics(kind, tmp_path, 
 
     trainer.train()
     assert user.after_the_guard == [False] * 4  # the user's hook ran before the guard judged, every step
-    assert skip.skipped_steps == [NAN_STEP] and "nonfinite" in next(
-        e for e in skip.events if e["kind"] == "step_skipped")["reasons"]
+    assert (
+        skip.skipped_steps == [NAN_STEP]
+        and "nonfinite" in next(e for e in skip.events if e["kind"] == "step_skipped")["reasons"]
+    )
     assert all_finite(trainable(model))  # the NaN the user's hook wrote was never applied
     reporter = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, RecordingTensorBoard))
     train_lines = [logs for logs in reporter.logged if "loss" in logs]
@@ -130,8 +142,9 @@ def test_order_for_reporting_keeps_everything_else_in_place():
 
     user_a, user_b = TrainerCallback(), TrainerCallback()
     ours = build_callbacks(RunConfig())
-    handler = CallbackHandler([DefaultFlowCallback, RecordingTensorBoard, user_a, *ours, user_b, PrinterCallback],
-                              None, None, None, None)
+    handler = CallbackHandler(
+        [DefaultFlowCallback, RecordingTensorBoard, user_a, *ours, user_b, PrinterCallback], None, None, None, None
+    )
     order_for_reporting(handler)
     order_for_reporting(handler)  # idempotent
     cbs = handler.callbacks

@@ -25,12 +25,22 @@ def test_every_shipped_config_validates(path):
     args = training_arguments(cfg, use_cpu=True)  # builds TrainingArguments; downloads nothing
     assert args.output_dir and args.learning_rate > 0
     text = path.read_text().splitlines()
-    assert text[0].startswith("#") and any("Launch:" in line for line in text[:4]), "YAML must open with purpose + launch"
+    assert text[0].startswith("#") and any("Launch:" in line for line in text[:4]), (
+        "YAML must open with purpose + launch"
+    )
 
 
 def test_dotted_overrides_are_typed(tmp_path):
     cfg = load_config(
-        argv=["--training.learning_rate", "1e-4", "--lora.r=8", "--data.packing", "false", "--lora.target_modules", "[q_proj]"]
+        argv=[
+            "--training.learning_rate",
+            "1e-4",
+            "--lora.r=8",
+            "--data.packing",
+            "false",
+            "--lora.target_modules",
+            "[q_proj]",
+        ]
     )
     assert cfg.training["learning_rate"] == pytest.approx(1e-4)
     assert cfg.lora.r == 8 and cfg.data.packing is False and cfg.lora.target_modules == ["q_proj"]
@@ -106,7 +116,9 @@ def test_config_reference_doc_is_current():
     from hf_stable.config.reference import render
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
-    assert doc.read_text(encoding="utf-8") == render(), "regenerate: python -m hf_stable.config.reference > docs/CONFIG.md"
+    assert doc.read_text(encoding="utf-8") == render(), (
+        "regenerate: python -m hf_stable.config.reference > docs/CONFIG.md"
+    )
 
 
 def test_yaml_alias_bomb_is_refused_in_any_section_without_expanding_it(tmp_path):
@@ -130,16 +142,30 @@ def test_yaml_alias_bomb_is_refused_in_any_section_without_expanding_it(tmp_path
 
 
 def test_config_checks_run_at_load_and_can_be_deferred():
-    argv = ["--training.per_device_train_batch_size", "0", "--training.dataloader_num_workers", "-1",
-            "--training.num_train_epochs", "0", "--training.max_steps", "-1", "--training.report_to", "nope"]
+    argv = [
+        "--training.per_device_train_batch_size",
+        "0",
+        "--training.dataloader_num_workers",
+        "-1",
+        "--training.num_train_epochs",
+        "0",
+        "--training.max_steps",
+        "-1",
+        "--training.report_to",
+        "nope",
+    ]
     with pytest.raises(ConfigError) as err:
         load_config(argv=argv)
-    assert err.value.problems == [
-        "training.per_device_train_batch_size: got 0, must be >= 1",
-        "training.num_train_epochs: got 0.0, must be > 0 (or set training.max_steps > 0)",
-        "training.dataloader_num_workers: got -1, must be >= 0",
-        err.value.problems[3],
-    ] and "training.report_to: 'nope' is not an integration" in err.value.problems[3]
+    assert (
+        err.value.problems
+        == [
+            "training.per_device_train_batch_size: got 0, must be >= 1",
+            "training.num_train_epochs: got 0.0, must be > 0 (or set training.max_steps > 0)",
+            "training.dataloader_num_workers: got -1, must be >= 0",
+            err.value.problems[3],
+        ]
+        and "training.report_to: 'nope' is not an integration" in err.value.problems[3]
+    )
     cfg = load_config(argv=argv, check=False)  # the doctor reports them as findings instead
     assert cfg.training["per_device_train_batch_size"] == 0
 

@@ -55,8 +55,11 @@ def _changed(owner, f: dataclasses.Field):
 
 
 def _sections(group):
-    return [(f.name, getattr(group, f.name)) for f in dataclasses.fields(group) if dataclasses.is_dataclass(
-        getattr(group, f.name))]
+    return [
+        (f.name, getattr(group, f.name))
+        for f in dataclasses.fields(group)
+        if dataclasses.is_dataclass(getattr(group, f.name))
+    ]
 
 
 def _stability_cases():
@@ -89,8 +92,10 @@ def test_every_stability_field_reaches_its_callback(master, section, field):
     if field == "enabled":  # switched off: the builder leaves the callback out
         assert not owners
         return
-    if section == "batch_warmup" and field in ("target_accumulation", "lr_rule") or (
-        section == "thermal" and field == "lr_rule"
+    if (
+        section == "batch_warmup"
+        and field in ("target_accumulation", "lr_rule")
+        or (section == "thermal" and field == "lr_rule")
     ):  # read by the accumulation controller the two guards share
         acc = next(cb for cb in callbacks if isinstance(cb, AccumulationControl))
         assert (acc.target if field == "target_accumulation" else acc.lr_rule) == value

@@ -88,7 +88,7 @@ def test_prompt_masked_answer_and_single_eos_supervised(request, which):
     tok = request.getfixturevalue(which)
     samples, stats = _encode(tok, ROWS)
     assert stats.n_kept == 3 and not stats.dropped
-    for row, s in zip(ROWS, samples):
+    for row, s in zip(ROWS, samples, strict=False):
         _check_sample(tok, s, encode_prompt(tok, row), row["output"].strip())
 
 
@@ -115,7 +115,7 @@ def test_llama3_and_qwen_prompt_shapes(llama3_tok, qwen_tok):
     assert prompt_text(qwen_tok, row) == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
     for tok, eos in ((llama3_tok, "<|eot_id|>"), (qwen_tok, "<|im_end|>")):
         s = _encode(tok, [row])[0][0]
-        supervised = [t for t, lab in zip(s["input_ids"], s["labels"]) if lab != IGNORE_INDEX]
+        supervised = [t for t, lab in zip(s["input_ids"], s["labels"], strict=False) if lab != IGNORE_INDEX]
         assert tok.decode(supervised) == "5" + eos
 
 
@@ -132,8 +132,13 @@ def test_alpaca_fallback_without_chat_template(tokenizer, tmp_path):
     _check_sample(tok, s, ids, "elppa")
     with pytest.raises(DataError, match="data.template: chat_template, but the tokenizer has no chat template"):
         encode_prompt(tok, row, template="chat_template")
-    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                         {"role": "assistant", "content": "hello"}]}  # fmt: skip
+    chat = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+        ]
+    }
     assert tok.decode(encode_prompt(tok, chat)[1:]) == "### System:\nBe brief.\n\n### User:\nhi\n\n### Assistant:\n"
 
 
@@ -147,7 +152,7 @@ def test_multi_turn_chat_supervises_only_the_last_answer(tokenizer):
         ]
     }
     s = _encode(tokenizer, [chat])[0][0]
-    supervised = [t for t, lab in zip(s["input_ids"], s["labels"]) if lab != IGNORE_INDEX]
+    supervised = [t for t, lab in zip(s["input_ids"], s["labels"], strict=False) if lab != IGNORE_INDEX]
     assert tokenizer.decode(supervised) == "4" + tokenizer.eos_token
     assert reference_answer(chat) == "4"
 
@@ -246,8 +251,10 @@ def test_build_data_on_embedded_like_data(tokenizer, tmp_path):
     assert data.eval_records[0]["family"] == evals[0]["family"]  # extra keys kept
     assert reference_answer(data.eval_records[0]) == evals[0]["output"].strip()
     assert data.stats["train"]["cleaned"] == sum(
-        any(ch in json.dumps(r) for ch in ("\\u200b", "\\ufeff", "\\u200d", "\\u2060", "\\u0007", "\\u001b",
-                                           "\\u0000", "\\u0085"))  # fmt: skip
+        any(
+            ch in json.dumps(r)
+            for ch in ("\\u200b", "\\ufeff", "\\u200d", "\\u2060", "\\u0007", "\\u001b", "\\u0000", "\\u0085")
+        )
         for r in train
     )
     assert isinstance(data.collator, PaddingCollator) and data.collator.padding_side == "right"

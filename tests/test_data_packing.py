@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -87,9 +89,16 @@ def test_trainer_step_with_packing_collator(tokenizer, tmp_path):
     samples = _samples(tokenizer, n=8)
     ds = Dataset.from_dict({k: [s[k] for s in samples] for k in ("input_ids", "labels")})
     args = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
-        report_to=[], remove_unused_columns=False, use_cpu=True, save_strategy="no", logging_steps=1,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-3,
+        report_to=[],
+        remove_unused_columns=False,
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
     model = make_tiny_model("qwen2", tokenizer)
     trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=PackingCollator(tokenizer.pad_token_id))
     trainer.train()
@@ -137,10 +146,10 @@ def test_label_invariants_property(tokenizer, tokenizer_pad_eos, rows, max_lengt
         assert padded["labels"][row, : len(s["labels"])].tolist() == s["labels"]
     packed = PackingCollator(tok.pad_token_id, max_row_tokens=row_tokens)(samples)
     segments, bounds = [], [0]
-    rows_ = zip(packed["input_ids"].tolist(), packed["labels"].tolist(), packed["position_ids"].tolist())
+    rows_ = zip(packed["input_ids"].tolist(), packed["labels"].tolist(), packed["position_ids"].tolist(), strict=False)
     for ids, labels, pos in rows_:
         starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
-        for a, b in zip(starts, starts[1:]):
+        for a, b in itertools.pairwise(starts):
             assert pos[a:b] == list(range(b - a))  # positions restart at 0 for every sample
             bounds.append(bounds[-1] + b - a)
             if any(lab != IGNORE_INDEX for lab in labels[a:b]):  # tail padding has no label

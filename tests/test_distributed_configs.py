@@ -28,9 +28,15 @@ from hf_stable.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = ROOT / "configs" / "accelerate"
 EXPECTED = {
-    "single-gpu", "multi-gpu-ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "fsdp2",
-    "two-node", "cpu-2proc",
-}  # fmt: skip
+    "single-gpu",
+    "multi-gpu-ddp",
+    "deepspeed-zero2",
+    "deepspeed-zero2-offload",
+    "deepspeed-zero3",
+    "fsdp2",
+    "two-node",
+    "cpu-2proc",
+}
 KEY_LINE = re.compile(r"^\s*[A-Za-z0-9_]+:")
 
 
@@ -97,9 +103,14 @@ def test_deepspeed_json_is_accepted_by_transformers_and_deepspeed(name, stage, t
     from tests.helpers import make_tiny_model
 
     args = TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, bf16=True, per_device_train_batch_size=4,
-        gradient_accumulation_steps=2, max_grad_norm=0.5, report_to="none",
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=True,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.5,
+        report_to="none",
+    )
     model = make_tiny_model("llama", tokenizer)  # before the DeepSpeed config exists: no zero.Init here
     hf_cfg = HfTrainerDeepSpeedConfig(str(ROOT / "configs" / "deepspeed" / f"{name}.json"))
     try:

@@ -36,14 +36,29 @@ def test_default_config_has_no_hazard(workdir):
 
 
 def test_broken_config_reports_every_hazard(workdir):
-    cfg = load_config(DEFAULT_CONFIG, tiny_args(
-        workdir, "qwen2",
-        "--training.fp16", "true", "--training.adam_epsilon", "1e-8", "--optim.fp16_eps_guard", "warn",
-        "--lora.target_modules", "[q_proj, v_proj, wq]", "--training.learning_rate", "5e-2",
-        "--training.max_grad_norm", "1.0",
-        "--training.gradient_checkpointing", "true",
-        "--training.gradient_checkpointing_kwargs", "{use_reentrant: true}",
-    ))  # fmt: skip
+    cfg = load_config(
+        DEFAULT_CONFIG,
+        tiny_args(
+            workdir,
+            "qwen2",
+            "--training.fp16",
+            "true",
+            "--training.adam_epsilon",
+            "1e-8",
+            "--optim.fp16_eps_guard",
+            "warn",
+            "--lora.target_modules",
+            "[q_proj, v_proj, wq]",
+            "--training.learning_rate",
+            "5e-2",
+            "--training.max_grad_norm",
+            "1.0",
+            "--training.gradient_checkpointing",
+            "true",
+            "--training.gradient_checkpointing_kwargs",
+            "{use_reentrant: true}",
+        ),
+    )
     report = run_doctor(cfg, dry_run=False, settings=DoctorConfig(reference_batch=64))
     expect = {
         "hazards.fp16_adam_eps": "warning",
@@ -160,12 +175,23 @@ def test_numa_helpers_read_sysfs(tmp_path):
 
 def test_config_time_problems_are_blocking_findings(workdir, capsys):
     """What `load_config` refuses (hf_stable.config.checks) the doctor reports as blocking, exit code 1."""
-    broken = tiny_args(workdir, "llama", "--training.per_device_train_batch_size", "0",
-                       "--training.report_to", "[none_such]", "--stability.guards.batch_warmup.enabled", "true")
+    broken = tiny_args(
+        workdir,
+        "llama",
+        "--training.per_device_train_batch_size",
+        "0",
+        "--training.report_to",
+        "[none_such]",
+        "--stability.guards.batch_warmup.enabled",
+        "true",
+    )
     assert main(["--config", str(DEFAULT_CONFIG), *broken, "--no-dry-run", "--json"]) == 1
     findings = [f for f in strict_json(capsys.readouterr().out)["findings"] if f["check"] == "hazards.config"]
-    assert {f["evidence"] for f in findings} == {"training.per_device_train_batch_size", "training.report_to",
-                                                 "training.max_steps"}  # fmt: skip
+    assert {f["evidence"] for f in findings} == {
+        "training.per_device_train_batch_size",
+        "training.report_to",
+        "training.max_steps",
+    }
     assert all(f["severity"] == "error" for f in findings)
 
 

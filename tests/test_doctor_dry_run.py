@@ -76,8 +76,9 @@ def test_dry_run_names_frozen_and_dead_parameters(setup):
     names[zeroed].register_hook(torch.zeros_like)  # in the graph, but its gradient never arrives
     before = snapshot(model)
 
-    facts, findings = dry_run(model, data, cfg, resolve_settings(cfg), DoctorConfig(dry_run_steps=3,
-                                                                                    memory_probe=False))
+    _facts, findings = dry_run(
+        model, data, cfg, resolve_settings(cfg), DoctorConfig(dry_run_steps=3, memory_probe=False)
+    )
     by = {f.check: f for f in findings}
     assert by["dry_run.frozen_adapter"].severity == "error" and frozen in by["dry_run.frozen_adapter"].evidence
     dead = by["dry_run.dead_parameters"]

@@ -13,10 +13,17 @@ from hf_stable.config import EmbeddedBaseConfig
 from hf_stable.embedded.builder import DONE_FILE, ensure_base
 from hf_stable.embedded.tasks import instruction_dataset
 
-SMALL = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-    vocab_size=400, pretrain_steps=3, pretrain_batch_size=4, pretrain_seq_len=16,
-)
+SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 400,
+    "pretrain_steps": 3,
+    "pretrain_batch_size": 4,
+    "pretrain_seq_len": 16,
+}
 
 
 def _weights_hash(path) -> str:

@@ -128,9 +128,11 @@ def _saved_state(checkpoint: Path):
 # ---- the recipe (scripts/finetune.py): opt-in guards switched on from the command line, nothing else -----------
 
 WARMUP = [
-    "--stability.guards.batch_warmup.enabled", "true",
-    "--stability.guards.batch_warmup.target_accumulation", "4",
-]  # fmt: skip
+    "--stability.guards.batch_warmup.enabled",
+    "true",
+    "--stability.guards.batch_warmup.target_accumulation",
+    "4",
+]
 
 
 def _events(out: Path) -> list[dict]:
@@ -150,11 +152,22 @@ def test_recipe_runs_batch_warmup_snr_and_optimizer_phases_together_for_200_step
     phases = "[{name: adamw, until_step: 60}, {name: sgd, until_step: 120, lr_scale: 10}, {name: lion, lr_scale: 0.3}]"
     # 64 rows: the plan (1 x 25, 2 x 25, 4 x 150 micro-batches of 8) is ~11 data epochs, which the stock Trainer's
     # plan (one epoch per 8 steps at accumulation 1) cannot feed
-    args = recipe_args(out, steps=200, n_train=64) + WARMUP + [
-        "--stability.guards.batch_warmup.double_every", "25",
-        "--stability.guards.snr.enabled", "true", "--stability.guards.snr.interval", "20",
-        "--stability.guards.phases.enabled", "true", "--stability.guards.phases.phases", phases,
-    ]  # fmt: skip
+    args = (
+        recipe_args(out, steps=200, n_train=64)
+        + WARMUP
+        + [
+            "--stability.guards.batch_warmup.double_every",
+            "25",
+            "--stability.guards.snr.enabled",
+            "true",
+            "--stability.guards.snr.interval",
+            "20",
+            "--stability.guards.phases.enabled",
+            "true",
+            "--stability.guards.phases.phases",
+            phases,
+        ]
+    )
     run = launch(args, out, timeout=540)
     assert run.returncode == 0, run.tail()
     state = json.loads((out / "trainer_state.json").read_text())
@@ -184,9 +197,14 @@ def test_recipe_with_batch_warmup_killed_and_resumed_equals_the_uninterrupted_ru
     # accumulation 1, 1, 1, 1, 2, 2, 4 ... (doubling due every 3 steps, applied when aligned); killed while writing
     # checkpoint-8, resumed from checkpoint-6 at accumulation 4: the stock Trainer would skip 6 micro-batches, not 8
     def args(out: Path) -> list[str]:
-        return recipe_args(out, steps=12, n_train=32, save_steps=2) + WARMUP + [
-            "--stability.guards.batch_warmup.double_every", "3",
-        ]  # fmt: skip
+        return (
+            recipe_args(out, steps=12, n_train=32, save_steps=2)
+            + WARMUP
+            + [
+                "--stability.guards.batch_warmup.double_every",
+                "3",
+            ]
+        )
 
     base = tmp_path / "base"
     uninterrupted = launch(args(base), base)

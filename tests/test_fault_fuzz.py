@@ -25,8 +25,9 @@ def _events(record: dict) -> str:
 @pytest.fixture(scope="module")
 def fuzz(tmp_path_factory) -> list[list[dict]]:
     out = tmp_path_factory.mktemp("fuzz")
-    torchrun_two_ranks(SCRIPT, str(out), "--seeds", str(SEEDS), "--steps", str(STEPS), "--collective-timeout", "60",
-                       timeout=420)
+    torchrun_two_ranks(
+        SCRIPT, str(out), "--seeds", str(SEEDS), "--steps", str(STEPS), "--collective-timeout", "60", timeout=420
+    )
     return [[json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
 
 
@@ -35,7 +36,7 @@ def fuzz(tmp_path_factory) -> list[list[dict]]:
 def test_every_seed_ends_with_identical_finite_weights_and_events_on_both_ranks(fuzz):
     rank0, rank1 = fuzz
     assert [r["seed"] for r in rank0] == [r["seed"] for r in rank1] == list(range(SEEDS))
-    for a, b in zip(rank0, rank1):
+    for a, b in zip(rank0, rank1, strict=False):
         where = f"seed {a['seed']} (faults {a['faults']})"
         assert a["steps"] == b["steps"] == STEPS, where
         assert a["finite"] and b["finite"], where

@@ -39,7 +39,7 @@ def test_packed_record_ids_follow_position_id_restarts():
     ids = batch["record_ids"].tolist()
     assert len(ids) == len(starts)
     by_id = {f["record_id"]: f["input_ids"] for f in feats}
-    for k, (s, rid) in enumerate(zip(starts, ids)):
+    for k, (s, rid) in enumerate(zip(starts, ids, strict=False)):
         end = starts[k + 1] if k + 1 < len(starts) else len(flat)
         if rid == -1:  # a tail padding segment
             continue
@@ -147,7 +147,7 @@ def test_per_sample_loss_equals_each_sample_alone(packing):
         logits = model(**kw, use_cache=False).logits
         loss, count = per_sample_loss(logits, batch["labels"], batch.get("position_ids"), n_segments=len(ids))
         by_id = {f["record_id"]: f for f in feats}
-        for rid, got, n in zip(ids.tolist(), loss.tolist(), count.tolist()):
+        for rid, got, n in zip(ids.tolist(), loss.tolist(), count.tolist(), strict=False):
             if rid < 0:
                 assert n == 0
                 continue

@@ -50,8 +50,10 @@ class StepGradientCheck(TrainerCallback):
         self._busy = False
         mean_of_means = [sum(g[i] for g in per_micro) / len(per_micro) for i in range(len(params))]
         scale = max(float(w.abs().max()) for w in want)
-        self.max_err.append(max(float((a - b).abs().max()) for a, b in zip(got, want)) / scale)
-        self.mean_of_means_gap.append(max(float((a - b).abs().max()) for a, b in zip(mean_of_means, want)) / scale)
+        self.max_err.append(max(float((a - b).abs().max()) for a, b in zip(got, want, strict=False)) / scale)
+        self.mean_of_means_gap.append(
+            max(float((a - b).abs().max()) for a, b in zip(mean_of_means, want, strict=False)) / scale
+        )
         self.sizes.append(len(self.micro))
         self.lrs.append(optimizer.param_groups[0]["lr"])
 
@@ -61,8 +63,13 @@ def _train(tmp_path, guards, max_steps, target, rows=48, **kw):
     check = StepGradientCheck(model)
     cfg = GuardsConfig()
     cfg.batch_warmup.enabled = True
-    args = training_args(tmp_path, max_steps=max_steps, per_device_train_batch_size=2,
-                         **guard_training_overrides(cfg, {"gradient_accumulation_steps": target}), **kw)
+    args = training_args(
+        tmp_path,
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        **guard_training_overrides(cfg, {"gradient_accumulation_steps": target}),
+        **kw,
+    )
     Trainer(model=model, args=args, train_dataset=token_data(rows), callbacks=[*guards, check]).train()
     return check
 
@@ -76,7 +83,7 @@ def test_batch_warmup_doubles_accumulation_and_keeps_per_token_normalisation(tmp
     assert check.sizes == [1, 1, 2, 2, 2, 4, 4, 4]
     assert max(check.max_err) < 1e-4, check.max_err  # exactly the token-mean gradient of the step's micro-batches
     # the test can tell: with different supervised-token counts per row, a mean of micro-batch means differs
-    assert min(g for g, n in zip(check.mean_of_means_gap, check.sizes) if n > 1) > 1e-3
+    assert min(g for g, n in zip(check.mean_of_means_gap, check.sizes, strict=False) if n > 1) > 1e-3
     assert check.lrs == pytest.approx([1e-3 * (n / 4) ** 0.5 for n in check.sizes])  # sqrt LR compensation
     assert acc.history == [(1, 1), (3, 2), (6, 4)]
 

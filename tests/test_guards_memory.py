@@ -30,9 +30,12 @@ def test_snapshot_size_predicts_then_measures_the_optimizer_state():
     model = tiny_lora_llama(lora=False)
     params, n = list(model.parameters()), _param_bytes(model)
     cases = {
-        torch.optim.AdamW(params): 2, torch.optim.AdamW(params, amsgrad=True): 3, torch.optim.SGD(params, lr=0.1): 0,
-        torch.optim.SGD(params, lr=0.1, momentum=0.9): 1, Lion(params): 1,
-    }  # fmt: skip
+        torch.optim.AdamW(params): 2,
+        torch.optim.AdamW(params, amsgrad=True): 3,
+        torch.optim.SGD(params, lr=0.1): 0,
+        torch.optim.SGD(params, lr=0.1, momentum=0.9): 1,
+        Lion(params): 1,
+    }
     for opt, tensors in cases.items():
         size = sizing.snapshot_size(opt)
         assert (size.params, size.state, size.probe, size.state_measured) == (n, tensors * n, n, False), opt
@@ -106,8 +109,9 @@ def test_doctor_reports_the_snapshot_sizes(tmp_path, monkeypatch):
     # the LoRA estimate from a weight-free model equals peft's own count
     cfg = load_config(DEFAULT_CONFIG, ["--training.output_dir", str(tmp_path)])
     base = tiny_lora_llama(lora=False)
-    lora = get_peft_model(tiny_lora_llama(lora=False),
-                          LoraConfig(r=cfg.lora.r, target_modules=cfg.lora.target_modules))
+    lora = get_peft_model(
+        tiny_lora_llama(lora=False), LoraConfig(r=cfg.lora.r, target_modules=cfg.lora.target_modules)
+    )
     assert _lora_numel(base, cfg.lora) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
     # a full fine-tune: plenty of memory -> info with the numbers; short memory -> disk (warning); nowhere -> error
     full = load_config(DEFAULT_CONFIG, ["--training.output_dir", str(tmp_path), "--lora.enabled", "false"])

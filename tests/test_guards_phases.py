@@ -17,9 +17,14 @@ from hf_stable.optim import build_optimizer
 from hf_stable.optim.phases import PhasedOptimizer, wrap_for_phases
 from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
 
-PHASES = OptimizerPhasesConfig(enabled=True, phases=[PhaseConfig("adamw", until_step=3),
-                                                     PhaseConfig("sgd", until_step=6, lr_scale=10.0),
-                                                     PhaseConfig("lion", lr_scale=0.3)])
+PHASES = OptimizerPhasesConfig(
+    enabled=True,
+    phases=[
+        PhaseConfig("adamw", until_step=3),
+        PhaseConfig("sgd", until_step=6, lr_scale=10.0),
+        PhaseConfig("lion", lr_scale=0.3),
+    ],
+)
 
 
 class PhaseRecorder(TrainerCallback):
@@ -43,14 +48,19 @@ def _run(out, resume=None, max_steps=8):
     opt = wrap_for_phases(build_optimizer(model, OptimConfig(lora_plus_ratio=4.0), args), PHASES)
     lr = LRControl()
     rec = PhaseRecorder()
-    trainer = Trainer(model=model, args=args, train_dataset=token_data(64), optimizers=(opt, None),
-                      callbacks=[OptimizerPhaseGuard(lr, PHASES), lr, rec])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=token_data(64),
+        optimizers=(opt, None),
+        callbacks=[OptimizerPhaseGuard(lr, PHASES), lr, rec],
+    )
     trainer.train(resume_from_checkpoint=resume)
     return trainer, rec, model
 
 
 def test_phases_switch_keep_groups_and_lr_multipliers_and_resume(tmp_path):
-    trainer, rec, model = _run(tmp_path / "full")
+    _trainer, rec, model = _run(tmp_path / "full")
     assert [rec.kind[s] for s in range(1, 9)] == ["AdamW"] * 3 + ["SGD"] * 3 + ["Lion"] * 2
     assert all(rec.groups[s] == rec.groups[1] for s in range(1, 9))  # names, base LRs (LoRA+ x4), decay kept
     assert len({g[1] for g in rec.groups[1]}) == 4  # 2 layers (LLRD) x LoRA A/B (LoRA+): four base LRs kept
@@ -61,7 +71,7 @@ def test_phases_switch_keep_groups_and_lr_multipliers_and_resume(tmp_path):
     assert all(torch.isfinite(w).all() for w in weights.values())
 
     # resume in the SGD phase: the checkpoint restores the phase, the SGD momentum and the phase LR factor
-    trainer2, rec2, model2 = _run(tmp_path / "res", resume=str(tmp_path / "full" / "checkpoint-4"))
+    _trainer2, rec2, model2 = _run(tmp_path / "res", resume=str(tmp_path / "full" / "checkpoint-4"))
     assert [rec2.kind[s] for s in range(5, 9)] == ["SGD"] * 2 + ["Lion"] * 2
     assert rec2.used_lr[5] == pytest.approx(rec.used_lr[5])
     for name, p in model2.named_parameters():
@@ -72,8 +82,11 @@ def test_phases_switch_keep_groups_and_lr_multipliers_and_resume(tmp_path):
 def test_carry_momentum_seeds_sgd_and_lion_from_adamw():
     model = tiny_lora_llama()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = PhasedOptimizer(torch.optim.AdamW([{"params": params, "lr": 1e-3, "weight_decay": 0.0}]),
-                          ["adamw", "sgd", "lion"], OptimConfig(sgd_momentum=0.9))
+    opt = PhasedOptimizer(
+        torch.optim.AdamW([{"params": params, "lr": 1e-3, "weight_decay": 0.0}]),
+        ["adamw", "sgd", "lion"],
+        OptimConfig(sgd_momentum=0.9),
+    )
     for _ in range(2):
         model(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
         opt.step()
@@ -88,8 +101,9 @@ def test_carry_momentum_seeds_sgd_and_lion_from_adamw():
     for p in params:
         torch.testing.assert_close(opt.state[p]["exp_avg"], exp_avg[id(p)], rtol=1e-6, atol=1e-9)
     saved = opt.state_dict()
-    fresh = PhasedOptimizer(torch.optim.AdamW([{"params": params, "lr": 1e-3, "weight_decay": 0.0}]),
-                            ["adamw", "sgd", "lion"])
+    fresh = PhasedOptimizer(
+        torch.optim.AdamW([{"params": params, "lr": 1e-3, "weight_decay": 0.0}]), ["adamw", "sgd", "lion"]
+    )
     fresh.load_state_dict(saved)
     assert fresh.phase == 2 and type(fresh.current).__name__ == "Lion"
 
@@ -105,8 +119,12 @@ def test_dloss_trigger_and_wrong_optimizer_is_an_error(tmp_path):
     assert guard.due(0, 70) and guard.dloss_ema < 0.05
     model = tiny_lora_llama()
     args = training_args(tmp_path, max_steps=1)
-    trainer = Trainer(model=model, args=args, train_dataset=token_data(8),
-                      callbacks=[OptimizerPhaseGuard(LRControl(), phases=PHASES.phases)])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=token_data(8),
+        callbacks=[OptimizerPhaseGuard(LRControl(), phases=PHASES.phases)],
+    )
     with pytest.raises(ConfigError, match="PhasedOptimizer"):
         trainer.train()
 

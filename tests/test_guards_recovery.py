@@ -59,8 +59,12 @@ def test_gradients_edited_after_the_statistics_are_judged(tmp_path, cls, max_gra
     rec = Recorder(model)
     guards = build_guards(GuardsConfig())
     args = training_args(tmp_path, max_steps=10, max_grad_norm=max_grad_norm)
-    trainer = cls(model=model, args=args, train_dataset=token_data(),
-                  callbacks=[_EditGrads({5: "nan", 8: "spike"}), *guards, rec])
+    trainer = cls(
+        model=model,
+        args=args,
+        train_dataset=token_data(),
+        callbacks=[_EditGrads({5: "nan", 8: "spike"}), *guards, rec],
+    )
     trainer.train()
     skipped = {e["step"]: e["reasons"] for e in read_events(tmp_path) if e["kind"] == "step_skipped"}
     assert skipped == {5: ["nonfinite"], 8: ["grad_spike"]}
@@ -113,16 +117,19 @@ def _full_finetune(tmp, steps=60, flip_at=None, garbage=(), **rollback_kw):
     rollback = RollbackGuard(skip, lr, **rollback_kw)
     extra = [_FlipHead(model, flip_at)] if flip_at else []
     args = training_args(tmp, max_steps=steps, learning_rate=1e-2)
-    trainer = Trainer(model=model, args=args, train_dataset=token_data(256),
-                      callbacks=[skip, rollback, ClipGuard(skip_guard=skip), lr, *extra])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=token_data(256),
+        callbacks=[skip, rollback, ClipGuard(skip_guard=skip), lr, *extra],
+    )
     trainer.train()
     return read_events(tmp), rollback, trainer
 
 
 def test_healthy_steps_after_a_rollback_to_an_early_snapshot_are_accepted(tmp_path):
     # only the step-0 snapshot (loss 4.9); damage after step 50 (loss ~0.6 by then): bad 51-53, rolled back to 0
-    events, rollback, _ = _full_finetune(tmp_path, flip_at=50, snapshot_share=None, snapshot_every=1000,
-                                         verify=False)
+    events, rollback, _ = _full_finetune(tmp_path, flip_at=50, snapshot_share=None, snapshot_every=1000, verify=False)
     (event,) = [e for e in events if e["kind"] == "rollback"]
     assert (event["step"], event["value"]) == (53, 0)
     # the restored weights' loss is high by nature: judged by the snapshot's references, not the undone run's
@@ -135,11 +142,10 @@ def test_healthy_steps_after_a_rollback_to_an_early_snapshot_are_accepted(tmp_pa
 def test_damaged_weights_are_rolled_back_to_an_early_snapshot_bad_data_is_declined(tmp_path):
     # the same damage with the data-or-weights check on: at the step-0 weights the batch's loss (4.9) is far above
     # today's references (~0.6), but that is the snapshot's own healthy level -> damaged weights, roll back
-    events, rollback, _ = _full_finetune(tmp_path / "weights", flip_at=50, snapshot_share=None,
-                                         snapshot_every=1000)
+    events, rollback, _ = _full_finetune(tmp_path / "weights", flip_at=50, snapshot_share=None, snapshot_every=1000)
     kinds = [(e["kind"], e["step"]) for e in events if e["kind"].startswith("rollback")]
     assert kinds == [("rollback", 53)] and rollback.rollbacks == 1
-    assert [e for e in events if e["kind"] == "rollback"][0]["check"] == "damaged weights"
+    assert next(e for e in events if e["kind"] == "rollback")["check"] == "damaged weights"
     # garbage batches 51-53 with a late snapshot (fresh snapshots: step 50): as bad at its weights -> declined
     events, rollback, trainer = _full_finetune(tmp_path / "data", garbage=(51, 52, 53))
     (declined,) = [e for e in events if e["kind"].startswith("rollback")]
@@ -170,7 +176,8 @@ def test_snapshots_stay_fresh_and_fall_on_the_same_steps_after_resume(tmp_path):
         damage = WeightDamage(model, [12, 30, 48])  # after the update of these steps: the next ones are bad
         args = training_args(out, max_steps=60, save_strategy="steps", save_steps=40)
         Trainer(model=model, args=args, train_dataset=token_data(256), callbacks=[*guards, seen, rec, damage]).train(
-            resume_from_checkpoint=resume)
+            resume_from_checkpoint=resume
+        )
         return [(e["step"], e["value"]) for e in read_events(out) if e["kind"] == "rollback"], seen.at, rec
 
     rollbacks, snaps, rec = run(tmp_path / "full")
@@ -211,7 +218,7 @@ class _Overflows:
 
     def _overflow(self, module, args, kwargs, output):
         marked = bool((kwargs["input_ids"][:, 0] == self.MARK).all())
-        moved = any(not torch.equal(p, q) for p, q in zip(module.parameters(), self.initial))
+        moved = any(not torch.equal(p, q) for p, q in zip(module.parameters(), self.initial, strict=False))
         if marked and moved:
             output["loss"] = output["loss"] * float("inf")
         return output
@@ -240,8 +247,12 @@ def test_batches_that_overflow_at_healthy_weights_are_skipped_without_a_rollback
     skip, lr = SkipGuard(), LRControl()
     rollback = RollbackGuard(skip, lr, snapshot_share=None, snapshot_every=1000)
     args = training_args(tmp_path / "damage", max_steps=26, learning_rate=1e-2)
-    Trainer(model=model, args=args, train_dataset=token_data(256),
-            callbacks=[skip, rollback, lr, WeightDamage(model, steps=(20,), factor=float("inf"))]).train()
+    Trainer(
+        model=model,
+        args=args,
+        train_dataset=token_data(256),
+        callbacks=[skip, rollback, lr, WeightDamage(model, steps=(20,), factor=float("inf"))],
+    ).train()
     events = read_events(tmp_path / "damage")
     (event,) = [e for e in events if e["kind"].startswith("rollback")]
     assert event["kind"] == "rollback" and event["check"] == "damaged weights" and event["value"] == 0

@@ -59,8 +59,9 @@ def _guard(guards, cls):
 
 def test_nan_step_is_skipped_bitwise_and_plain_trainer_ends_nan(tmp_path):
     steps, nan_at = 10, 5
-    trainer, rec, guards = _run(tmp_path / "guarded", _defaults(), faults=[nan_at], max_steps=steps,
-                                lr_scheduler_type="linear")
+    trainer, rec, _guards = _run(
+        tmp_path / "guarded", _defaults(), faults=[nan_at], max_steps=steps, lr_scheduler_type="linear"
+    )
     # the skipped step moved nothing: weights and optimizer state bitwise as after the step before
     assert weights_equal(rec.weights[nan_at - 1], rec.weights[nan_at])
     assert states_equal(rec.opt_state[nan_at - 1], rec.opt_state[nan_at])
@@ -87,8 +88,13 @@ def test_x1000_gradient_spike_is_skipped_by_default_and_clipped_without_skip(tmp
     assert weights_equal(rec.weights[spike_at - 1], rec.weights[spike_at])
 
     # skip off, adaptive clipping only: the spiked step's gradient is scaled back to the usual size
-    trainer, rec, guards = _run(tmp_path / "clip", _defaults(skip__enabled=False, rollback__enabled=False),
-                                faults=[spike_at], factor=1e3, max_steps=steps)
+    trainer, rec, guards = _run(
+        tmp_path / "clip",
+        _defaults(skip__enabled=False, rollback__enabled=False),
+        faults=[spike_at],
+        factor=1e3,
+        max_steps=steps,
+    )
     clip = _guard(guards, ClipGuard)
     history = {h["step"]: h for h in trainer.state.log_history if "clip/norm_after" in h}
     assert history[spike_at]["clip/coef_min"] < 5e-3  # a ~400-norm gradient scaled to the cap
@@ -103,12 +109,16 @@ def test_x1000_gradient_spike_is_skipped_by_default_and_clipped_without_skip(tmp
 def test_k_bad_steps_roll_back_bitwise_and_halve_the_lr(tmp_path, storage):
     def guards_for(model):
         skip, lr = SkipGuard(), LRControl()
-        return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4, storage=storage),
-                ClipGuard(skip_guard=skip), lr]
+        return [
+            skip,
+            RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4, storage=storage),
+            ClipGuard(skip_guard=skip),
+            lr,
+        ]
 
     # good 1..7 (snapshots after 3 and 6), weights damaged after step 7's update: steps 8 and 9 are bad, the
     # second bad step within 4 triggers the rollback (the probe finds the batch fine at step 6's weights)
-    trainer, rec, guards = _run(tmp_path, guards_for, damage=[7], max_steps=11)
+    _trainer, rec, guards = _run(tmp_path, guards_for, damage=[7], max_steps=11)
     rollback = _guard(guards, RollbackGuard)
     assert rollback.rollbacks == 1
     assert weights_equal(rec.weights[9], rec.weights[6])  # restored exactly (step 7's update undone)
@@ -129,8 +139,7 @@ def test_k_bad_steps_roll_back_bitwise_and_halve_the_lr(tmp_path, storage):
 def test_bad_data_is_skipped_without_a_rollback_bad_weights_are_rolled_back(tmp_path, bf16):
     def guards_for(model):
         skip, lr = SkipGuard(), LRControl()
-        return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4), ClipGuard(skip_guard=skip),
-                lr]
+        return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4), ClipGuard(skip_guard=skip), lr]
 
     # NaN loss at 8 and 9 (bad data): the probe finds step 9's batch fine at the current weights too - nothing
     # was damaged (8 and 9 were skipped), so the good steps since the snapshot (step 7) are kept, LR unchanged
@@ -152,8 +161,12 @@ def test_bad_data_is_skipped_without_a_rollback_bad_weights_are_rolled_back(tmp_
 def test_repeated_rollbacks_to_one_snapshot_escalate_the_backoff(tmp_path, escalate):
     def guards_for(model):
         skip, lr = SkipGuard(), LRControl()
-        return [skip, RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4, escalate=escalate),
-                ClipGuard(skip_guard=skip), lr]
+        return [
+            skip,
+            RollbackGuard(skip, lr, snapshot_every=3, bad_steps=2, window=4, escalate=escalate),
+            ClipGuard(skip_guard=skip),
+            lr,
+        ]
 
     # snapshots after 3 and 6; damage after 7 -> bad 8-9 -> rollback to 6; bad data at 10-11 right after (a burst:
     # nothing applied since, the weights are still step 6's) -> held, no second backoff; good 12, damaged after
@@ -183,10 +196,10 @@ def test_resume_restores_every_guard_state(tmp_path):
     def guards_for(model):
         return build_guards(cfg)
 
-    kw = dict(max_steps=8, save_strategy="steps", save_steps=4)
+    kw = {"max_steps": 8, "save_strategy": "steps", "save_steps": 4}
     full, rec_full, g_full = _run(tmp_path / "full", guards_for, damage=[1], **kw)
     assert _guard(g_full, RollbackGuard).rollbacks == 1
-    resumed, rec_res, g_res = _run(tmp_path / "res", guards_for, resume=str(tmp_path / "full" / "checkpoint-4"), **kw)
+    _resumed, rec_res, g_res = _run(tmp_path / "res", guards_for, resume=str(tmp_path / "full" / "checkpoint-4"), **kw)
     saved = full.state.stateful_callbacks["hf_stable"]
     for guard in g_res:
         a, b = guard.state_dict(), saved[guard.state_key]
@@ -201,7 +214,7 @@ def _close(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and set(a) == set(b) and all(_close(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, float) or isinstance(b, float):
         return a == pytest.approx(b, rel=1e-5, abs=1e-9)
     return a == b

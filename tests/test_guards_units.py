@@ -211,14 +211,26 @@ def test_snr_factor_moves_and_is_clamped():
 
 # --- config and wiring --------------------------------------------------------------------------------------------
 def test_guard_config_errors_are_collected_with_their_keys():
-    bad = {"stability": {"guards": {"clipping": {"mode": "bogus", "ema_alpha": 2.0},
-                                    "rollback": {"bad_steps": 30, "lr_backoff": 0},
-                                    "thermal": {"cool_c": 80}, "skip": {"enabled": False}}}}
+    bad = {
+        "stability": {
+            "guards": {
+                "clipping": {"mode": "bogus", "ema_alpha": 2.0},
+                "rollback": {"bad_steps": 30, "lr_backoff": 0},
+                "thermal": {"cool_c": 80},
+                "skip": {"enabled": False},
+            }
+        }
+    }
     with pytest.raises(ConfigError) as err:
         config_from_dict(bad)
     text = "\n".join(err.value.problems)
-    for key in ("guards.clipping.mode", "guards.rollback.bad_steps", "guards.rollback.lr_backoff",
-                "guards.thermal.cool_c", "guards.rollback.enabled"):
+    for key in (
+        "guards.clipping.mode",
+        "guards.rollback.bad_steps",
+        "guards.rollback.lr_backoff",
+        "guards.thermal.cool_c",
+        "guards.rollback.enabled",
+    ):
         assert key in text, (key, text)
     assert config_from_dict({}).stability.guards.clipping.mode == "adaptive"
 

@@ -101,7 +101,9 @@ def test_launcher_exit_status_follows_the_workers():
     state = SimpleNamespace(preemption_signals=("SIGTERM",), exit_code=143)
 
     def failed(*codes):
-        failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=c, error_file="") for r, c in enumerate(codes)}
+        failures = {
+            r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=c, error_file="") for r, c in enumerate(codes)
+        }
         return ChildFailedError("finetune.py", failures)
 
     assert exit_code_for(subprocess.CalledProcessError(2, ["python"]), state) == 2  # bad config: our message only
@@ -159,7 +161,9 @@ def test_sigkill_to_accelerate_launch_leaves_no_worker_training_on(one_process):
     # the worker noticed its launcher die, finished the step, saved and stopped by itself, quickly
     assert kill["seconds"] < 120 and run.exit_codes() == {0: 143}, run.tail()
     assert not [p for p in kill["workers"] if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    assert [r["global_step"] for r in run.ranks()] == [6] and checkpoint_problems(one_process.out / "checkpoint-6") == []
+    assert [r["global_step"] for r in run.ranks()] == [6] and checkpoint_problems(
+        one_process.out / "checkpoint-6"
+    ) == []
 
 
 @pytest.mark.slow
@@ -189,8 +193,16 @@ def two_processes(tmp_path_factory):
     """SIGTERM to `accelerate launch` (2 ranks) at step 2, to `torchrun` (resumed) at step 4, then the end."""
     out = tmp_path_factory.mktemp("launch2") / "out"
     args = ddp_args(out)
-    accel = signal_launcher(args, out, signal.SIGTERM, after_step=1, nproc=2, launcher="accelerate",
-                            accelerate_config=CPU_2PROC, tag="accelerate")  # fmt: skip
+    accel = signal_launcher(
+        args,
+        out,
+        signal.SIGTERM,
+        after_step=1,
+        nproc=2,
+        launcher="accelerate",
+        accelerate_config=CPU_2PROC,
+        tag="accelerate",
+    )
     torchrun = signal_launcher(args, out, signal.SIGTERM, after_step=3, nproc=2, launcher="torchrun", tag="torchrun")
     resumed = launch(args, out, nproc=2, tag="resume")
     return SimpleNamespace(out=out, accel=accel, torchrun=torchrun, resumed=resumed)
@@ -213,4 +225,3 @@ def test_two_rank_reruns_end_bitwise_where_an_uninterrupted_run_ends(two_process
     assert resumed.returncode == 0, resumed.tail()
     assert "checkpoint-4" in resumed.output
     assert _same(load_adapter(two_processes.out), load_adapter(ddp_reference_run().out))
-

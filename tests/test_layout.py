@@ -124,8 +124,17 @@ def test_every_module_imports_first_without_a_cycle():
 
 
 def test_machinery_does_not_import_callbacks():
-    below = ("hf_stable.core", "hf_stable.optim", "hf_stable.config", "hf_stable.checkpoints", "hf_stable.outputs",
-             "hf_stable.reporting", "hf_stable.doctor", "hf_stable.distributed", "hf_stable.attention")
+    below = (
+        "hf_stable.core",
+        "hf_stable.optim",
+        "hf_stable.config",
+        "hf_stable.checkpoints",
+        "hf_stable.outputs",
+        "hf_stable.reporting",
+        "hf_stable.doctor",
+        "hf_stable.distributed",
+        "hf_stable.attention",
+    )
     offenders = []
     for m, p in _modules().items():
         if m == "hf_stable" or not m.startswith(below):

@@ -30,8 +30,16 @@ def _kinds(tmp_path):
 
 
 def _grad(norm, max_abs=0.1, group="layer_0", param="model.layers.0.mlp.up_proj.weight"):
-    return GradReport(step=0, available=True, global_norm=norm, group_norms={group: norm, "embeddings": norm / 2},
-                      nonfinite={group: 0}, max_abs=max_abs, max_abs_group=group, max_abs_param=param)
+    return GradReport(
+        step=0,
+        available=True,
+        global_norm=norm,
+        group_norms={group: norm, "embeddings": norm / 2},
+        nonfinite={group: 0},
+        max_abs=max_abs,
+        max_abs_group=group,
+        max_abs_param=param,
+    )
 
 
 def _healthy_losses(n, seed=0):
@@ -151,8 +159,14 @@ def test_update_stall_fires_per_group_and_healthy_is_silent(tmp_path):
 
 # --- memory ----------------------------------------------------------------------------------------------------
 def _mem(reserved, allocated=None, retries=0, ooms=0, rss=1.0):
-    return {"allocated": allocated if allocated is not None else reserved * 0.8, "reserved": reserved,
-            "peak": reserved * 0.9, "retries": retries, "ooms": ooms, "rss": rss}
+    return {
+        "allocated": allocated if allocated is not None else reserved * 0.8,
+        "reserved": reserved,
+        "peak": reserved * 0.9,
+        "retries": retries,
+        "ooms": ooms,
+        "rss": rss,
+    }
 
 
 def test_memory_leak_retries_and_oom_fire(tmp_path):
@@ -172,19 +186,30 @@ def test_memory_healthy_sawtooth_and_cpu_rss_silent(tmp_path):
         mon.observe(10 * (i + 1), _mem(4.0 + (0.3 if i % 3 == 0 else 0.0) + 0.001 * (i % 5)))
     nan = float("nan")
     for i in range(60, 90):  # CPU: only RSS, flat with noise
-        mon.observe(10 * (i + 1), {"allocated": nan, "reserved": nan, "peak": nan, "retries": nan, "ooms": nan,
-                                   "rss": 1.0 + 0.01 * (i % 2)})
+        mon.observe(
+            10 * (i + 1),
+            {"allocated": nan, "reserved": nan, "peak": nan, "retries": nan, "ooms": nan, "rss": 1.0 + 0.01 * (i % 2)},
+        )
     assert _kinds(tmp_path) == []
-    assert set(mon._pending) == {"mem/rss_gib", "mem/allocated_gib", "mem/reserved_gib", "mem/peak_gib",
-                                 "mem/alloc_retries", "mem/ooms", "mem/fragmentation"}
+    assert set(mon._pending) == {
+        "mem/rss_gib",
+        "mem/allocated_gib",
+        "mem/reserved_gib",
+        "mem/peak_gib",
+        "mem/alloc_retries",
+        "mem/ooms",
+        "mem/fragmentation",
+    }
 
 
 def test_cpu_rss_leak(tmp_path):
     nan = float("nan")
     mon = _bind(MemoryMonitor(leak_window=5, warmup_steps=20, leak_min_growth_gib=0.1), tmp_path)
     for i in range(12):
-        mon.observe(10 * i, {"allocated": nan, "reserved": nan, "peak": nan, "retries": nan, "ooms": nan,
-                             "rss": 1.0 + 0.05 * i})
+        mon.observe(
+            10 * i,
+            {"allocated": nan, "reserved": nan, "peak": nan, "retries": nan, "ooms": nan, "rss": 1.0 + 0.05 * i},
+        )
     events = read_events(tmp_path)
     assert [e["kind"] for e in events] == ["memory_leak"] and "RSS" in events[0]["message"]
     assert events[0]["step"] == 60  # samples before warmup_steps are ignored
@@ -214,8 +239,15 @@ def test_gpu_hot(tmp_path):
 def test_build_monitors_follows_config_and_every_kind_is_documented():
     cfg = MonitorsConfig()
     names = [type(cb).__name__ for cb in build_monitors(cfg)]
-    assert names == ["GradientMonitor", "NonFiniteLocator", "LossMonitor", "UpdateMonitor", "MemoryMonitor",
-                     "ThroughputMonitor", "HardwareMonitor"]
+    assert names == [
+        "GradientMonitor",
+        "NonFiniteLocator",
+        "LossMonitor",
+        "UpdateMonitor",
+        "MemoryMonitor",
+        "ThroughputMonitor",
+        "HardwareMonitor",
+    ]
     cfg.update.enabled = False
     cfg.grad.explosion_norm = 123.0
     built = build_monitors(cfg)
@@ -226,12 +258,14 @@ def test_build_monitors_follows_config_and_every_kind_is_documented():
 
 
 def test_config_from_yaml_overrides_and_validation():
-    cfg = load_config(None, ["--stability.monitors.loss.spike_zscore", "4.5", "--stability.monitors.grad.max_abs",
-                             "1e2"])
+    cfg = load_config(
+        None, ["--stability.monitors.loss.spike_zscore", "4.5", "--stability.monitors.grad.max_abs", "1e2"]
+    )
     assert cfg.stability.monitors.loss.spike_zscore == 4.5 and cfg.stability.monitors.grad.max_abs == 100.0
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["--stability.monitors.grad.every_n_steps", "0",
-                           "--stability.monitors.throughput.mild_ratio", "3.0"])
+        load_config(
+            None, ["--stability.monitors.grad.every_n_steps", "0", "--stability.monitors.throughput.mild_ratio", "3.0"]
+        )
     text = str(err.value)
     assert "stability.monitors.grad.every_n_steps: got 0" in text
     assert "stability.monitors.throughput.mild_ratio" in text

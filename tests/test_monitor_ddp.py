@@ -28,13 +28,19 @@ def test_two_ranks_log_identical_metrics(tmp_path):
     assert ranks[0]["world_size"] == 2
     h0, h1 = ranks[0]["history"], ranks[1]["history"]
     assert len(h0) == len(h1) == 5
-    for row0, row1 in zip(h0, h1):
+    for row0, row1 in zip(h0, h1, strict=False):
         assert row0.keys() == row1.keys()
         differing = {k: (row0[k], row1[k]) for k in row0 if not _same(row0[k], row1[k])}
         assert not differing, differing
     keys = set().union(*h0)
-    assert {"grad/norm_global", "grad/norm/layer_0", "loss/train", "update/ratio/layer_0", "mem/rss_gib",
-            "perf/tokens_per_s"} <= keys
+    assert {
+        "grad/norm_global",
+        "grad/norm/layer_0",
+        "loss/train",
+        "update/ratio/layer_0",
+        "mem/rss_gib",
+        "perf/tokens_per_s",
+    } <= keys
     assert h0[0]["loss/train"] == pytest.approx(h0[0]["loss"], rel=1e-5)  # the all-reduced loss is the Trainer's
     # only rank 1 poisoned the gradient; after all-reduce both ranks name the same parameter at the same step
     located = [[e for e in r["events"] if e["kind"] == "nonfinite_grad"] for r in ranks]

@@ -27,9 +27,19 @@ def _data(vocab, n=48, length=24, seed=0):
 
 
 def _args(out, **kw):
-    base = dict(output_dir=str(out), per_device_train_batch_size=4, logging_steps=1, report_to=[], use_cpu=True,
-                save_strategy="no", disable_tqdm=True, max_grad_norm=0.0, learning_rate=1e-3, seed=0,
-                dataloader_num_workers=0)
+    base = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 4,
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "max_grad_norm": 0.0,
+        "learning_rate": 1e-3,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+    }
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -57,8 +67,12 @@ def test_nan_locator_names_the_poisoned_parameter(tokenizer, tmp_path):
     cfg = MonitorsConfig()
     cfg.nonfinite.detect_anomaly = True
     monitors = build_monitors(cfg)
-    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=5), train_dataset=_data(model.config.vocab_size),
-                      callbacks=[*monitors, _Poison(target, at_step=3)])
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path, max_steps=5),
+        train_dataset=_data(model.config.vocab_size),
+        callbacks=[*monitors, _Poison(target, at_step=3)],
+    )
     trainer.train()
     events = read_events(tmp_path)
     located = [e for e in events if e["kind"] == "nonfinite_grad"]
@@ -74,9 +88,12 @@ def test_nan_locator_names_the_poisoned_parameter(tokenizer, tmp_path):
 
 def test_step_loss_matches_trainer_loss_with_accumulation(tokenizer, tmp_path):
     model = make_tiny_model("qwen2", tokenizer)
-    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=4, gradient_accumulation_steps=2,
-                                              per_device_train_batch_size=2),
-                      train_dataset=_data(model.config.vocab_size), callbacks=build_monitors(MonitorsConfig()))
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path, max_steps=4, gradient_accumulation_steps=2, per_device_train_batch_size=2),
+        train_dataset=_data(model.config.vocab_size),
+        callbacks=build_monitors(MonitorsConfig()),
+    )
     trainer.train()
     rows = [h for h in trainer.state.log_history if "loss" in h and "loss/train" in h]
     assert len(rows) == 4
@@ -86,15 +103,20 @@ def test_step_loss_matches_trainer_loss_with_accumulation(tokenizer, tmp_path):
         assert row["mem/rss_gib"] > 0
     assert all(row["perf/tokens_per_s"] > 0 for row in rows[1:])  # step 1 is the untimed warm-up
     assert {k for k in rows[-1] if k.startswith("grad/norm/")} == {
-        "grad/norm/embeddings", "grad/norm/layer_0", "grad/norm/layer_1", "grad/norm/norm"}  # lm_head tied
+        "grad/norm/embeddings",
+        "grad/norm/layer_0",
+        "grad/norm/layer_1",
+        "grad/norm/norm",
+    }  # lm_head tied
     assert not [e for e in read_events(tmp_path) if e["severity"] != "info"]  # a healthy run: no alerts
 
 
 def _run_lora(tokenizer, out, max_steps, resume=None, monitors=None):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(make_tiny_model("llama", tokenizer, seed=0),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        make_tiny_model("llama", tokenizer, seed=0), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
     cfg = MonitorsConfig()
     cfg.update.every_n_steps = 2
     cfg.memory.every_n_steps = 1
@@ -121,8 +143,9 @@ def test_resume_restores_every_monitor_state(tokenizer, tmp_path):
             restored.update({type(cb).__name__: cb.state_dict() for cb in fresh})
 
     fresh = build_monitors(MonitorsConfig())
-    _, fresh = _run_lora(tokenizer, tmp_path, max_steps=6, resume=str(tmp_path / "checkpoint-3"),
-                               monitors=[*fresh, Spy()])
+    _, fresh = _run_lora(
+        tokenizer, tmp_path, max_steps=6, resume=str(tmp_path / "checkpoint-3"), monitors=[*fresh, Spy()]
+    )
     fresh = fresh[:-1]
     for name, state in saved.items():
         assert json.loads(json.dumps(restored[name])) == state, name
@@ -138,7 +161,7 @@ def _close(a, b):
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
     if isinstance(a, list):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, float):
         return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7)
     return a == b
@@ -152,8 +175,9 @@ def test_post_clip_notice_and_deepspeed_off_never_logs_zeros(tokenizer, tmp_path
     mon.on_train_begin(SimpleNamespace(output_dir=str(tmp_path), max_grad_norm=1.0, deepspeed=None), state, control)
     # DeepSpeed: p.grad is None; the monitor says it is off and records nothing
     ds = GradientMonitor()
-    ds.on_train_begin(SimpleNamespace(output_dir=str(tmp_path), max_grad_norm=0.0, deepspeed={"zero": 2}), state,
-                      control)
+    ds.on_train_begin(
+        SimpleNamespace(output_dir=str(tmp_path), max_grad_norm=0.0, deepspeed={"zero": 2}), state, control
+    )
     ds.on_pre_optimizer_step(None, state, control, model=model)
     # no gradients at all (no DeepSpeed flag): discovered at the hook, said once
     bare = GradientMonitor()
@@ -172,8 +196,12 @@ def test_anomaly_rerun_names_the_backward_op(tokenizer, tmp_path):
     mlp.register_forward_hook(lambda module, args, out: out + torch.sqrt(out - out))
     cfg = MonitorsConfig()
     cfg.nonfinite.detect_anomaly = True
-    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=1), train_dataset=_data(model.config.vocab_size),
-                      callbacks=build_monitors(cfg))
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path, max_steps=1),
+        train_dataset=_data(model.config.vocab_size),
+        callbacks=build_monitors(cfg),
+    )
     trainer.train()
     (event,) = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite_grad"]
     assert event["op"] and event["op"].endswith("Backward0") and f"backward op {event['op']}" in event["message"]
@@ -187,8 +215,12 @@ def test_a_transient_nan_loss_is_reported_as_not_reproduced(tmp_path):
 
     model = tiny_lora_llama()
     LossFault(model, [3])  # the 3rd training forward only: the locator's re-run of step 3 is clean
-    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=4), train_dataset=token_data(),
-                      callbacks=build_monitors(MonitorsConfig()))
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=4),
+        train_dataset=token_data(),
+        callbacks=build_monitors(MonitorsConfig()),
+    )
     trainer.train()
     events = {e["kind"]: e for e in read_events(tmp_path) if e["step"] == 3}
     assert events["nonfinite_loss"]["severity"] == "error"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import warnings
@@ -61,7 +62,7 @@ def test_explicit_bottom_lr_is_geometric(tokenizer):
     g = _by_name(param_groups(model, OptimConfig(llrd_lr_bottom=1e-5), lr=LR))
     ladder = [g["embeddings"]["lr"]] + [g[f"layer_{i}"]["lr"] for i in range(L)]
     assert ladder[0] == pytest.approx(1e-5) and ladder[-1] == pytest.approx(LR)
-    ratios = [b / a for a, b in zip(ladder, ladder[1:])]
+    ratios = [b / a for a, b in itertools.pairwise(ladder)]
     assert ratios == pytest.approx([(LR / 1e-5) ** (1 / L)] * L)
 
 

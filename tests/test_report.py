@@ -35,11 +35,24 @@ def test_report_from_a_run_with_an_injected_fault(tokenizer, tmp_path, capsys):
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": (x := torch.randint(3, 512, (24,), generator=g)), "labels": x.clone()} for _ in range(40)]
     target = model.model.embed_tokens.weight
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=8, logging_steps=3,
-                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, max_grad_norm=0.0,
-                             learning_rate=1e-4)
-    trainer = Trainer(model=model, args=args, train_dataset=data,
-                      callbacks=[*build_monitors(MonitorsConfig()), _SpikeLoss(target, at_step=4)])
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=8,
+        logging_steps=3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_grad_norm=0.0,
+        learning_rate=1e-4,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        callbacks=[*build_monitors(MonitorsConfig()), _SpikeLoss(target, at_step=4)],
+    )
     trainer.train()
     trainer.save_state()
 
@@ -62,8 +75,13 @@ def test_report_from_a_run_with_an_injected_fault(tokenizer, tmp_path, capsys):
 def test_report_heatmap_for_many_groups_and_errors(tmp_path, capsys):
     history = []
     for step in range(1, 21):
-        row = {"step": step, "loss": 3.0 - 0.05 * step, "learning_rate": 1e-4, "grad/norm_global": 1.0 + step,
-               "mem/rss_gib": 1.0}
+        row = {
+            "step": step,
+            "loss": 3.0 - 0.05 * step,
+            "learning_rate": 1e-4,
+            "grad/norm_global": 1.0 + step,
+            "mem/rss_gib": 1.0,
+        }
         row.update({f"grad/norm/layer_{i}.lora_{s}": 0.1 * (i + 1) for i in range(12) for s in "AB"})
         row["grad/norm/layer_3.lora_B"] = float("nan") if step == 7 else 0.4
         history.append(row)

@@ -41,8 +41,9 @@ class _GradSnapshot(TrainerCallback):
         self.nonfinite: dict[int, list[str]] = {}
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.nonfinite[state.global_step + 1] = [n for n, p in model.named_parameters()
-                                                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        self.nonfinite[state.global_step + 1] = [
+            n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        ]
 
 
 def _train(cls, out, callbacks=(), max_steps=6, **kw):
@@ -76,8 +77,13 @@ def test_one_gradient_pass_per_step_with_every_monitor_on(tmp_path, monkeypatch)
     counts = {}
     for cls in (Trainer, StableTrainer):
         counter = _CountNormPasses(monkeypatch)
-        _train(cls, tmp_path / cls.__name__, callbacks=[*build_monitors(MonitorsConfig()), counter],
-               max_grad_norm=1.0, logging_steps=3)
+        _train(
+            cls,
+            tmp_path / cls.__name__,
+            callbacks=[*build_monitors(MonitorsConfig()), counter],
+            max_grad_norm=1.0,
+            logging_steps=3,
+        )
         counts[cls.__name__] = counter.per_step
         monkeypatch.undo()
     # stock: the Trainer's clip and the monitors each read every gradient; StableTrainer shares one pass
@@ -87,10 +93,14 @@ def test_one_gradient_pass_per_step_with_every_monitor_on(tmp_path, monkeypatch)
 
 def test_monitors_see_pre_clip_statistics_with_max_grad_norm(tmp_path):
     runs = {}
-    for name, cls, clip in (("unclipped", StableTrainer, 0.0), ("stable", StableTrainer, 0.05),
-                            ("stock", Trainer, 0.05)):
-        trainer, _, _ = _train(cls, tmp_path / name, callbacks=build_monitors(MonitorsConfig()), max_steps=1,
-                               max_grad_norm=clip)
+    for name, cls, clip in (
+        ("unclipped", StableTrainer, 0.0),
+        ("stable", StableTrainer, 0.05),
+        ("stock", Trainer, 0.05),
+    ):
+        trainer, _, _ = _train(
+            cls, tmp_path / name, callbacks=build_monitors(MonitorsConfig()), max_steps=1, max_grad_norm=clip
+        )
         runs[name] = (trainer.state.log_history[0], [e["kind"] for e in read_events(tmp_path / name)])
     # step 1 starts from the same weights: the same gradient. StableTrainer reports it before its clip ...
     unclipped, stable, stock = (runs[k][0] for k in ("unclipped", "stable", "stock"))
@@ -126,8 +136,12 @@ def test_a_nan_gradient_is_not_smeared_over_every_tensor(tmp_path):
         model = tiny_lora_llama()
         snap = _GradSnapshot()
         args = training_args(tmp_path / cls.__name__, max_steps=3, max_grad_norm=0.0)
-        trainer = cls(model=model, args=args, train_dataset=token_data(),
-                      callbacks=[*build_monitors(MonitorsConfig()), _NanGrad(model, poisoned, 2), snap])
+        trainer = cls(
+            model=model,
+            args=args,
+            train_dataset=token_data(),
+            callbacks=[*build_monitors(MonitorsConfig()), _NanGrad(model, poisoned, 2), snap],
+        )
         trainer.train()
         seen[cls.__name__] = (snap.nonfinite[2], _history(trainer, "grad/nonfinite_total")[2])
     n_trainable = sum(1 for p in tiny_lora_llama().parameters() if p.requires_grad)
@@ -153,8 +167,12 @@ def test_grad_norm_follows_parameters_unfrozen_mid_run(tmp_path):
     for cls in (Trainer, StableTrainer):
         model = tiny_lora_llama()
         args = training_args(tmp_path / cls.__name__, max_steps=5, max_grad_norm=0.05)
-        trainer = cls(model=model, args=args, train_dataset=token_data(),
-                      callbacks=[*build_monitors(MonitorsConfig()), _Unfreeze(model, 3)])
+        trainer = cls(
+            model=model,
+            args=args,
+            train_dataset=token_data(),
+            callbacks=[*build_monitors(MonitorsConfig()), _Unfreeze(model, 3)],
+        )
         trainer.train()
         norms[cls.__name__] = _history(trainer, "grad_norm")
     assert len(norms["StableTrainer"]) == 5

@@ -154,7 +154,9 @@ class LogitProbe:
 
             all_reduce_tensor(stacked, "max")
         values = stacked.tolist()
-        self._read_cache = {i: [v for v in row[: self._maxima[i].numel()]] for i, row in zip(layers, values)}
+        self._read_cache = {
+            i: [v for v in row[: self._maxima[i].numel()]] for i, row in zip(layers, values, strict=False)
+        }
         return self._read_cache
 
     def layer_maxima(self, reduce: bool = True) -> dict[int, float]:

@@ -13,8 +13,8 @@ from hf_stable.callbacks.monitors.update_monitor import UpdateMonitor
 from hf_stable.callbacks.ordering import order_for_reporting
 
 __all__ = [
-    "AttentionMonitorCallback",
     "EVENT_KINDS",
+    "AttentionMonitorCallback",
     "GradientMonitor",
     "HardwareMonitor",
     "LossMonitor",

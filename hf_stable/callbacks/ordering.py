@@ -51,10 +51,13 @@ def reporting_order(callbacks: list[TrainerCallback]) -> list[TrainerCallback]:
     if any(isinstance(cb, CompactPrinter) for cb in callbacks):  # it replaces the Trainer's printer / progress bar
         callbacks = [cb for cb in callbacks if isinstance(cb, CompactPrinter) or not isinstance(cb, printers)]
     is_reporter = [isinstance(cb, reporters) for cb in callbacks]
-    is_printer = [not r and isinstance(cb, printers) for cb, r in zip(callbacks, is_reporter)]
-    rest = [cb for cb, r, p in zip(callbacks, is_reporter, is_printer) if not (r or p)]
-    return (rest + [cb for cb, r in zip(callbacks, is_reporter) if r]
-            + [cb for cb, p in zip(callbacks, is_printer) if p])
+    is_printer = [not r and isinstance(cb, printers) for cb, r in zip(callbacks, is_reporter, strict=False)]
+    rest = [cb for cb, r, p in zip(callbacks, is_reporter, is_printer, strict=False) if not (r or p)]
+    return (
+        rest
+        + [cb for cb, r in zip(callbacks, is_reporter, strict=False) if r]
+        + [cb for cb, p in zip(callbacks, is_printer, strict=False) if p]
+    )
 
 
 def order_for_reporting(trainer) -> None:
@@ -68,5 +71,7 @@ def order_for_reporting(trainer) -> None:
     """
     handler = getattr(trainer, "callback_handler", trainer)
     ordered = reporting_order(list(handler.callbacks))
-    if len(ordered) != len(handler.callbacks) or any(a is not b for a, b in zip(ordered, handler.callbacks)):
+    if len(ordered) != len(handler.callbacks) or any(
+        a is not b for a, b in zip(ordered, handler.callbacks, strict=False)
+    ):
         handler.callbacks = ordered  # a new list: a loop already iterating the old one is not disturbed

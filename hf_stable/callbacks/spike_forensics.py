@@ -181,12 +181,12 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         current = [p.detach().to("cpu", copy=True) for p in params]
         try:
             with torch.no_grad():
-                for p, w in zip(params, snap["params"]):
+                for p, w in zip(params, snap["params"], strict=False):
                     p.copy_(w)
             at_snap = local_sample_losses(self._model, self._tap, self._args)
         finally:
             with torch.no_grad():
-                for p, w in zip(params, current):
+                for p, w in zip(params, current, strict=False):
                     p.copy_(w)
         if [x[0] for x in at_snap] != [x[0] for x in per_now]:
             return None
@@ -238,7 +238,10 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         if self.cfg.grad_norms and culprits and params is not None and not by_grad:
             culprit_grad_norms(self._model, params, self._tap, located, culprits, self._args)
         live = [r for r in rows if r.tokens > 0]
-        top = sorted(zip(live, ratios(live)), key=lambda rx: -rx[0].loss if math.isfinite(rx[0].loss) else -math.inf)
+        top = sorted(
+            zip(live, ratios(live), strict=False),
+            key=lambda rx: -rx[0].loss if math.isfinite(rx[0].loss) else -math.inf,
+        )
         self.event(
             step,
             "step_forensics",
@@ -311,7 +314,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             named = {c.row.record_id for c in culprits}
             live = [r for r in rows if r.tokens > 0]
             self._reference.extend(
-                x for r, x in zip(live, ratios(live)) if math.isfinite(x) and r.record_id not in named
+                x for r, x in zip(live, ratios(live), strict=False) if math.isfinite(x) and r.record_id not in named
             )
             self._quarantine(s, culprits, med, ["screen"])
         self._bad_steps = {b for b in self._bad_steps if b > step}

@@ -8,20 +8,20 @@ from hf_stable.config.runtime import RuntimeConfig
 from hf_stable.config.stability import GuardsConfig, MonitorsConfig, StabilityConfig
 
 __all__ = [
+    "DEFAULT_CONFIG",
     "AttentionConfig",
     "DataConfig",
-    "EvaluationConfig",
     "EmbeddedBaseConfig",
+    "EvaluationConfig",
+    "GuardsConfig",
     "LoraSection",
     "ModelConfig",
+    "MonitorsConfig",
     "OptimConfig",
-    "DEFAULT_CONFIG",
     "RunConfig",
     "RuntimeConfig",
+    "StabilityConfig",
     "config_from_dict",
     "load_config",
     "training_arguments",
-    "GuardsConfig",
-    "MonitorsConfig",
-    "StabilityConfig",
 ]

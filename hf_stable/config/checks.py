@@ -69,7 +69,9 @@ def reporting_problems(report_to) -> list[str]:
             known = ", ".join(sorted(INTEGRATION_TO_CALLBACK))
             out.append(f"training.report_to: {name!r} is not an integration transformers knows ({known}, all, none)")
         elif name not in available:
-            out.append(f"training.report_to: {name!r} is not installed: pip install {name}, or remove it (report_to: none)")
+            out.append(
+                f"training.report_to: {name!r} is not installed: pip install {name}, or remove it (report_to: none)"
+            )
     return out
 
 

@@ -42,18 +42,24 @@ class DataConfig:
     )
     exclude_file: str | None = field(
         default=None,
-        metadata={"help": "Leave out the records this file names: a quarantine.jsonl of an earlier run, or one "
-                  "file:line / content hash a line (counted as 'excluded' in the audit)."},
+        metadata={
+            "help": "Leave out the records this file names: a quarantine.jsonl of an earlier run, or one "
+            "file:line / content hash a line (counted as 'excluded' in the audit)."
+        },
     )
     quarantine: Literal["auto", "report", "off"] = field(
         default="off",
-        metadata={"help": "Records named as the culprits of a bad step: auto = write quarantine.jsonl and never "
-                  "train on them again (kept in checkpoints); report = write the file only; off = no forensics."},
+        metadata={
+            "help": "Records named as the culprits of a bad step: auto = write quarantine.jsonl and never "
+            "train on them again (kept in checkpoints); report = write the file only; off = no forensics."
+        },
     )
     screen: bool = field(
         default=False,
-        metadata={"help": "Screen every step's per-sample losses for robust outliers (on device, decisions batched) "
-                  "and send them through the same attribution and quarantine."},
+        metadata={
+            "help": "Screen every step's per-sample losses for robust outliers (on device, decisions batched) "
+            "and send them through the same attribution and quarantine."
+        },
     )
     audit: bool = field(default=True, metadata={"help": "Run the data audit before training (saved in output)."})
     padding_alert: float = field(

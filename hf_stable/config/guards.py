@@ -50,8 +50,10 @@ class SkipConfig:
     )
     loss_rise_rel: float | None = field(
         default=0.5,
-        metadata=_h("Skip while a fast EMA of the loss is this fraction above the recent best of a smoothed loss "
-                    "(a divergence under way; these steps count towards a rollback). null = off."),
+        metadata=_h(
+            "Skip while a fast EMA of the loss is this fraction above the recent best of a smoothed loss "
+            "(a divergence under way; these steps count towards a rollback). null = off."
+        ),
     )
     loss_fast_beta: float = field(default=0.7, metadata=_h("Decay of the fast loss EMA for loss_rise_rel."))
     ema_beta: float = field(default=0.95, metadata=_h("EMA decay of the grad-norm reference."))
@@ -59,8 +61,10 @@ class SkipConfig:
     warmup_steps: int = field(default=3, metadata=_h("No spike verdict before this many accepted steps."))
     max_consecutive_skips: int = field(
         default=25,
-        metadata=_h("After this many consecutive spike skips the level is the new normal: the next step is accepted "
-                    "and the references restart (non-finite steps are always skipped)."),
+        metadata=_h(
+            "After this many consecutive spike skips the level is the new normal: the next step is accepted "
+            "and the references restart (non-finite steps are always skipped)."
+        ),
     )
 
     def validate(self) -> list[str]:
@@ -73,8 +77,10 @@ class SkipConfig:
         if self.window < 3:
             out.append(f"window: got {self.window}, must be >= 3")
         if self.warmup_steps < 1 or self.max_consecutive_skips < 1:
-            out.append(f"warmup_steps/max_consecutive_skips: got {self.warmup_steps}/{self.max_consecutive_skips}, "
-                       "both must be >= 1")
+            out.append(
+                f"warmup_steps/max_consecutive_skips: got {self.warmup_steps}/{self.max_consecutive_skips}, "
+                "both must be >= 1"
+            )
         return out
 
 
@@ -87,9 +93,11 @@ class RollbackConfig:
     snapshot_every: int = field(default=50, metadata=_h("At most this many good steps between snapshots."))
     snapshot_share: float | None = field(
         default=0.1,
-        metadata=_h("Also snapshot once the good steps since the last snapshot reach this share of the steps done "
-                    "(at least snapshot_min_every), so a rollback undoes about this share of the run. null = only "
-                    "every snapshot_every."),
+        metadata=_h(
+            "Also snapshot once the good steps since the last snapshot reach this share of the steps done "
+            "(at least snapshot_min_every), so a rollback undoes about this share of the run. null = only "
+            "every snapshot_every."
+        ),
     )
     snapshot_min_every: int = field(
         default=10, metadata=_h("Never snapshot more often than every this many good steps.")
@@ -99,24 +107,32 @@ class RollbackConfig:
     lr_backoff: float = field(default=0.5, metadata=_h("Multiply the LR factor by this at each rollback."))
     escalate: bool = field(
         default=True,
-        metadata=_h("A rollback to the same snapshot after the run had recovered (>= 1 good step) raises the "
-                    "backoff exponent (x0.5, x0.25, x0.125): the LR overshoots by more than one backoff."),
+        metadata=_h(
+            "A rollback to the same snapshot after the run had recovered (>= 1 good step) raises the "
+            "backoff exponent (x0.5, x0.25, x0.125): the LR overshoots by more than one backoff."
+        ),
     )
     verify: bool = field(
         default=True,
-        metadata=_h("Before restoring, re-run the step's batch at the snapshot's weights; when it is as bad there "
-                    "(bad data, not damaged weights) only skip."),
+        metadata=_h(
+            "Before restoring, re-run the step's batch at the snapshot's weights; when it is as bad there "
+            "(bad data, not damaged weights) only skip."
+        ),
     )
     storage: Literal["memory", "disk"] = field(
         default="memory",
-        metadata=_h("Where snapshots live: CPU memory (LoRA: small) or <output_dir>/hf_stable_rollback (large). "
-                    "A memory snapshot larger than host_memory_share of the free host memory goes to disk (with a "
-                    "warning); one that fits nowhere stops the run before the first step."),
+        metadata=_h(
+            "Where snapshots live: CPU memory (LoRA: small) or <output_dir>/hf_stable_rollback (large). "
+            "A memory snapshot larger than host_memory_share of the free host memory goes to disk (with a "
+            "warning); one that fits nowhere stops the run before the first step."
+        ),
     )
     host_memory_share: float = field(
         default=0.5,
-        metadata=_h("Share of the host's available memory at train start (split over the ranks on the host) that "
-                    "memory snapshots and the rollback check's copy of the weights may take."),
+        metadata=_h(
+            "Share of the host's available memory at train start (split over the ranks on the host) that "
+            "memory snapshots and the rollback check's copy of the weights may take."
+        ),
     )
     max_rollbacks: int = field(default=10, metadata=_h("After this many rollbacks only skip (an event says so)."))
 
@@ -157,13 +173,17 @@ class ClippingConfig:
     mode: Literal["global", "per_group", "adaptive"] = field(default="adaptive", metadata=_h("Clipping mode."))
     max_norm: float | None = field(
         default=1.0,
-        metadata=_h("global: the max global norm. adaptive: an outer global cap and the rule during warm-up. "
-                    "null = none (not allowed in global mode)."),
+        metadata=_h(
+            "global: the max global norm. adaptive: an outer global cap and the rule during warm-up. "
+            "null = none (not allowed in global mode)."
+        ),
     )
     group_max_norm: dict[str, float] = field(
         default_factory=_default_group_max_norm,
-        metadata=_h("per_group: max norm per site (embeddings, layer, norm, lm_head, other); each decoder layer "
-                    "and each LoRA A/B group of a layer is clipped on its own."),
+        metadata=_h(
+            "per_group: max norm per site (embeddings, layer, norm, lm_head, other); each decoder layer "
+            "and each LoRA A/B group of a layer is clipped on its own."
+        ),
     )
     ema_alpha: float = field(default=0.97, metadata=_h("adaptive: EMA decay of each group's norm mean/variance."))
     z_threshold: float = field(default=2.5, metadata=_h("adaptive: clip a group to mean + z * std above this z."))
@@ -254,8 +274,10 @@ class OptimizerPhasesConfig:
     phases: list[PhaseConfig] = field(default_factory=_default_phases, metadata=_h("The phases, in order."))
     state_policy: Literal["reset", "carry_momentum"] = field(
         default="carry_momentum",
-        metadata=_h("At a switch: reset = fresh state; carry_momentum = the first moment (AdamW exp_avg, Lion "
-                    "exp_avg, SGD momentum as an average) seeds the next optimizer's momentum."),
+        metadata=_h(
+            "At a switch: reset = fresh state; carry_momentum = the first moment (AdamW exp_avg, Lion "
+            "exp_avg, SGD momentum as an average) seeds the next optimizer's momentum."
+        ),
     )
     dloss_ema_beta: float = field(default=0.98, metadata=_h("EMA decay of |dloss| for until_dloss_below."))
 
@@ -292,8 +314,10 @@ class BatchWarmupConfig:
     def validate(self) -> list[str]:
         out: list[str] = []
         if self.initial_accumulation < 1 or self.double_every < 1:
-            out.append(f"initial_accumulation/double_every: got {self.initial_accumulation}/{self.double_every}, "
-                       "both must be >= 1")
+            out.append(
+                f"initial_accumulation/double_every: got {self.initial_accumulation}/{self.double_every}, "
+                "both must be >= 1"
+            )
         if self.target_accumulation is not None and self.target_accumulation < self.initial_accumulation:
             out.append(f"target_accumulation: got {self.target_accumulation}, must be >= initial_accumulation")
         return out
@@ -341,8 +365,9 @@ class GuardsConfig:
         out: list[str] = []
         if self.rollback.enabled and not self.skip.enabled:
             out.append("rollback.enabled: true needs skip.enabled: true (the skip guard judges bad steps)")
-        if (self.batch_warmup.enabled and self.thermal.enabled
-                and self.batch_warmup.lr_rule != self.thermal.lr_rule):
-            out.append(f"thermal.lr_rule: got {self.thermal.lr_rule!r}, must equal batch_warmup.lr_rule "
-                       f"({self.batch_warmup.lr_rule!r}) when both change the accumulation")
+        if self.batch_warmup.enabled and self.thermal.enabled and self.batch_warmup.lr_rule != self.thermal.lr_rule:
+            out.append(
+                f"thermal.lr_rule: got {self.thermal.lr_rule!r}, must equal batch_warmup.lr_rule "
+                f"({self.batch_warmup.lr_rule!r}) when both change the accumulation"
+            )
         return out

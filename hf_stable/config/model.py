@@ -20,7 +20,9 @@ class EmbeddedBaseConfig:
     num_key_value_heads: int = field(default=2, metadata={"help": "KV heads (GQA when fewer than query heads)."})
     vocab_size: int = field(default=1024, metadata={"help": "Upper bound for the BPE tokenizer's vocabulary."})
     max_position_embeddings: int = field(default=512, metadata={"help": "Longest position the model supports."})
-    pretrain_steps: int = field(default=300, metadata={"help": "Steps of causal-LM pretraining on the embedded corpus."})
+    pretrain_steps: int = field(
+        default=300, metadata={"help": "Steps of causal-LM pretraining on the embedded corpus."}
+    )
     pretrain_lr: float = field(default=3e-3, metadata={"help": "Pretraining learning rate (AdamW, cosine)."})
     pretrain_batch_size: int = field(default=32, metadata={"help": "Pretraining batch size (sequences)."})
     pretrain_seq_len: int = field(default=64, metadata={"help": "Pretraining sequence length (tokens)."})

@@ -178,7 +178,7 @@ class GradStats:
         entries = self._ensure_entries()
         grads = [p.grad for p in self._params]
         if any(g is None for g in grads):
-            present = [e for e, g in zip(entries, grads) if g is not None]
+            present = [e for e, g in zip(entries, grads, strict=False) if g is not None]
             return present, [g for g in grads if g is not None], grads
         return entries, grads, grads
 
@@ -297,13 +297,13 @@ class GradStats:
             home = dev.param_norms.device
             if home.type == "cpu":
                 # The CPU foreach inf-norm kernel is a slow scalar loop; aminmax per tensor is ~2-10x faster.
-                lows, highs = zip(*(g.aminmax() if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads))
+                lows, highs = zip(
+                    *(g.aminmax() if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads), strict=False
+                )
                 low, high = torch.stack(lows).to(torch.float32), torch.stack(highs).to(torch.float32)
                 dev.param_max_abs = torch.maximum(high, -low)
             else:
-                dev.param_max_abs = torch.stack(
-                    [n.to(home) for n in foreach_norm(grads, math.inf)]
-                )
+                dev.param_max_abs = torch.stack([n.to(home) for n in foreach_norm(grads, math.inf)])
             if dev.scale is not None:  # the gradients were clipped since the norms were taken: undo it here
                 dev.param_max_abs = dev.param_max_abs / dev.scale.to(home)
         return dev.param_max_abs
@@ -337,8 +337,15 @@ class GradStats:
             head = torch.zeros(2 * n_groups + 4, device=device)
             head[2 * n_groups + 1] = -1.0  # no finite top norm
         else:
-            head = torch.cat([dev.group_norms, dev.nonfinite, dev.global_norm.reshape(1), *self._best(dev.param_norms),
-                              torch.ones(1, device=device)])
+            head = torch.cat(
+                [
+                    dev.group_norms,
+                    dev.nonfinite,
+                    dev.global_norm.reshape(1),
+                    *self._best(dev.param_norms),
+                    torch.ones(1, device=device),
+                ]
+            )
         per_tensor = self._param_max_abs(dev) if (max_abs and dev is not None) else None
         if reuse_extras:
             first = 2 * n_groups + len(self._TAIL)
@@ -362,7 +369,7 @@ class GradStats:
             device = dev.global_norm.device if dev is not None else torch.device("cpu")
             part = self._max_part(dev, self._param_max_abs(dev) if dev is not None else None, device)
             start = self._slot("has_max")
-            for row, values in zip(self._agreed_rows, all_gather_tensor(part).tolist()):
+            for row, values in zip(self._agreed_rows, all_gather_tensor(part).tolist(), strict=False):
                 row[start : start + 3] = values
         else:
             keys, vector = self._local_vector(dev, max_abs)
@@ -388,8 +395,9 @@ class GradStats:
         best = torch.max(torch.where(torch.isfinite(values), values, -1.0), dim=0)
         return [best.values.reshape(1), best.indices.to(torch.float32).reshape(1)]
 
-    def compute(self, model: torch.nn.Module | None = None, step: int | None = None,
-                max_abs: bool = False) -> GradReport:
+    def compute(
+        self, model: torch.nn.Module | None = None, step: int | None = None, max_abs: bool = False
+    ) -> GradReport:
         """Host-side report of the step (cached per step), transferred with one `.tolist()`; the same on every rank.
 
         `max_abs=False` skips the exact max |g| (a second pass over every gradient); the report then carries

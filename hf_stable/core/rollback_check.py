@@ -63,7 +63,7 @@ def _local_probe(model, params: list[torch.Tensor], tap: StepTap, args, inputs=N
             loss, step_grads = batch_gradients(model, params, call_args, call_kwargs, args)
             if loss is None:
                 return None
-            grads = step_grads if grads is None else [a + b for a, b in zip(grads, step_grads)]
+            grads = step_grads if grads is None else [a + b for a, b in zip(grads, step_grads, strict=False)]
             loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
     if grads is None:
         return None
@@ -86,7 +86,7 @@ def probe_snapshot(
             for weights in (None, saved):
                 if weights is not None:
                     with torch.no_grad():
-                        for p, w in zip(params, weights):
+                        for p, w in zip(params, weights, strict=False):
                             p.copy_(w)
                 local = _local_probe(model, params, tap, args)
                 if local is None:
@@ -97,7 +97,7 @@ def probe_snapshot(
             ok = False  # skip the all-reduce below, which the other ranks have entered
         finally:
             with torch.no_grad():
-                for p, w in zip(params, current):
+                for p, w in zip(params, current, strict=False):
                     p.copy_(w)
     packed = torch.zeros(5, dtype=torch.float32, device=device)
     if ok:

@@ -67,8 +67,11 @@ class SnapshotStore:
             "step": step,
             "optimizer_type": _optimizer_type(opt),
             "params": [p.detach().to("cpu", copy=True) if to_cpu else p.detach() for p in params],
-            "state": {index[id(p)]: {k: _entry(v, to_cpu) for k, v in s.items()}
-                      for p, s in opt.state.items() if id(p) in index},
+            "state": {
+                index[id(p)]: {k: _entry(v, to_cpu) for k, v in s.items()}
+                for p, s in opt.state.items()
+                if id(p) in index
+            },
             "guard_states": copy.deepcopy(guard_states),
         }
         if not to_cpu:
@@ -96,7 +99,7 @@ class SnapshotStore:
         if snap is None or len(snap["params"]) != len(params):
             raise RuntimeError("rollback snapshot does not match the optimizer's parameters")
         with torch.no_grad():
-            for p, saved in zip(params, snap["params"]):
+            for p, saved in zip(params, snap["params"], strict=False):
                 p.copy_(saved)
         same_opt = snap["optimizer_type"] == _optimizer_type(opt)
         for i, p in enumerate(params):

@@ -31,6 +31,7 @@ def human(n: float) -> str:
     """Bytes as GiB (or MiB below 1 GiB), three significant digits."""
     return f"{n / GIB:.3g} GiB" if n >= GIB else f"{n / 1024**2:.3g} MiB"
 
+
 # State tensors per parameter (each the size of the parameter), by optimizer class name (lower case).
 _STATE_TENSORS = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "lion": 1, "adagrad": 1, "sgd": 1}
 _PHASE_TENSORS = {"adamw": 2, "sgd": 1, "lion": 1}  # by optim.name / optimizer-phase name
@@ -89,9 +90,11 @@ class SnapshotSize:
 
     def describe(self) -> str:
         how = "measured" if self.state_measured else "predicted from the optimizer type"
-        return (f"trainable weights {human(self.params)} + optimizer state {human(self.state)} "
-                f"({how}) = {human(self.snapshot)} per snapshot; the rollback check copies the weights "
-                f"once more ({human(self.probe)}) while it probes")
+        return (
+            f"trainable weights {human(self.params)} + optimizer state {human(self.state)} "
+            f"({how}) = {human(self.snapshot)} per snapshot; the rollback check copies the weights "
+            f"once more ({human(self.probe)}) while it probes"
+        )
 
 
 def snapshot_size(optimizer) -> SnapshotSize:
@@ -128,22 +131,33 @@ def plan_storage(size: SnapshotSize, storage: str, verify: bool, output_dir, sha
     mem = available_host_memory() * share / ranks
     disk = free_disk(output_dir) / ranks
     need_mem = size.host_bytes(storage, verify)
-    facts = (f"{size.describe()}; host memory available {human(available_host_memory())} x share {share} / "
-             f"{ranks} rank(s) on this host = {human(mem)} per rank")
+    facts = (
+        f"{size.describe()}; host memory available {human(available_host_memory())} x share {share} / "
+        f"{ranks} rank(s) on this host = {human(mem)} per rank"
+    )
     if storage == "memory" and need_mem <= mem:
         return StoragePlan("memory", verify)
     disk_facts = f"free disk under {output_dir}: {human(disk * ranks)} / {ranks} rank(s)"
     if size.snapshot <= disk and size.host_bytes("disk", verify) <= mem:
-        note = "" if storage == "disk" else (
-            f"rollback snapshots do not fit in host memory ({human(need_mem)} needed): {facts}. Switched "
-            f"stability.guards.rollback.storage to disk ({disk_facts}); set it to disk to silence this, or lower "
-            "the snapshot size (LoRA: lora.enabled: true)")
+        note = (
+            ""
+            if storage == "disk"
+            else (
+                f"rollback snapshots do not fit in host memory ({human(need_mem)} needed): {facts}. Switched "
+                f"stability.guards.rollback.storage to disk ({disk_facts}); set it to disk to silence this, or lower "
+                "the snapshot size (LoRA: lora.enabled: true)"
+            )
+        )
         return StoragePlan("disk", verify, note=note)
     if size.snapshot <= disk and size.host_bytes("disk", False) <= mem:
-        note = (f"the rollback check's copy of the weights does not fit in host memory: {facts}. Snapshots go to "
-                f"disk ({disk_facts}) and stability.guards.rollback.verify is off (bad data may now be rolled back)")
+        note = (
+            f"the rollback check's copy of the weights does not fit in host memory: {facts}. Snapshots go to "
+            f"disk ({disk_facts}) and stability.guards.rollback.verify is off (bad data may now be rolled back)"
+        )
         return StoragePlan("disk", False, note=note)
-    error = (f"rollback snapshots fit neither in host memory nor on disk: {facts}; {disk_facts}. Set "
-             "stability.guards.rollback.enabled: false, free disk space under training.output_dir (storage: disk), "
-             "or train fewer parameters (lora.enabled: true)")
+    error = (
+        f"rollback snapshots fit neither in host memory nor on disk: {facts}; {disk_facts}. Set "
+        "stability.guards.rollback.enabled: false, free disk space under training.output_dir (storage: disk), "
+        "or train fewer parameters (lora.enabled: true)"
+    )
     return StoragePlan(storage, verify, error=error)

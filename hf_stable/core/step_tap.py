@@ -140,7 +140,7 @@ class StepTap:
     def _pre_hook(self, module, args, kwargs):
         pending, self._pending_ids = self._pending_ids, None
         if not self._recording(module):
-            return None
+            return
         self.inputs.append((args, kwargs))
         self.record_ids.append(pending)
         ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
@@ -148,16 +148,16 @@ class StepTap:
             self.tokens += ids.numel()
         elif isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
             self.tokens += int(kwargs["inputs_embeds"].shape[:-1].numel())
-        return None
+        return
 
     def _post_hook(self, module, args, kwargs, output):
         if not self._recording(module):
-            return None
+            return
         for fn in self._output_listeners:
             fn(kwargs, output, self.record_ids[-1] if self.record_ids else None)
         loss = _loss_of(output)
         if loss is None:
-            return None
+            return
         loss = loss.detach().to(torch.float32).reshape(())
         labels = kwargs.get("shift_labels")
         if not isinstance(labels, torch.Tensor):
@@ -173,7 +173,7 @@ class StepTap:
         self._num = total if self._num is None else self._num + total
         self._den = tokens if isinstance(self._den, float) else self._den + tokens
         self.n_losses += 1
-        return None
+        return
 
     def device_scalars(self) -> dict[str, torch.Tensor]:
         """`loss_num` and `loss_den` as device tensors; zeros when no loss was seen (the keys are always there,
@@ -198,7 +198,7 @@ def batch_gradients(model, params: list[torch.Tensor], call_args, call_kwargs, a
     if loss is None:
         return None, None
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return loss, [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
+    return loss, [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=False)]
 
 
 class StepTapUser:

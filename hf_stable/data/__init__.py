@@ -10,8 +10,8 @@ from hf_stable.data.samples import IGNORE_INDEX, build_sample, encode_records
 
 __all__ = [
     "AUDIT_FILE",
-    "DataBundle",
     "IGNORE_INDEX",
+    "DataBundle",
     "PackingCollator",
     "PaddingCollator",
     "audit_dataset",

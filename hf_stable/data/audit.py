@@ -200,8 +200,15 @@ def audit_dataset(
         tokenizer, read.records, max_length=cfg.max_length, template=template, vocab_size=vocab_size
     )
     return summarize(
-        read, samples, enc, cfg, eos_token_id=eos_id(tokenizer), batch_size=batch_size, seed=seed,
-        template=template, path=str(path),
+        read,
+        samples,
+        enc,
+        cfg,
+        eos_token_id=eos_id(tokenizer),
+        batch_size=batch_size,
+        seed=seed,
+        template=template,
+        path=str(path),
     )
 
 
@@ -228,7 +235,7 @@ def audit_markdown(audit: dict) -> str:
         ("truncated answers", str(a["n_truncated"])),
     ]
     hist = a["length_histogram"]
-    bins = " · ".join(f"≤{hi}: {c}" for hi, c in zip(hist["edges"][1:], hist["counts"]) if c)
+    bins = " · ".join(f"≤{hi}: {c}" for hi, c in zip(hist["edges"][1:], hist["counts"], strict=False) if c)
     lines = ["| check | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     lines += ["", f"Length histogram (tokens): {bins or 'empty'}"]
     if a["alerts"]:
@@ -268,15 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         raise ModelError(f"--tokenizer: cannot load a fast tokenizer from {args.tokenizer}: {e}") from e
     cfg = DataConfig(
-        train_file=args.data, eval_file=None, format=args.format, template=args.template,
-        packing=not args.no_packing, pad_to_multiple_of=args.pad_to_multiple_of,
+        train_file=args.data,
+        eval_file=None,
+        format=args.format,
+        template=args.template,
+        packing=not args.no_packing,
+        pad_to_multiple_of=args.pad_to_multiple_of,
         on_bad_record="skip" if args.skip_bad else "error",
-    )  # fmt: skip
+    )
     if args.max_length:
         cfg.max_length = args.max_length
-    audit = audit_dataset(
-        args.data, tok, cfg, batch_size=args.batch_size, config_field="DATA", exclude=args.exclude
-    )
+    audit = audit_dataset(args.data, tok, cfg, batch_size=args.batch_size, config_field="DATA", exclude=args.exclude)
     if args.json:
         print(json.dumps(audit, ensure_ascii=False))
     else:

@@ -131,7 +131,14 @@ def build_data(
         audit = None
         if cfg.audit:
             audit = summarize(
-                read, samples, enc, cfg, eos_token_id=eos, batch_size=batch_size, seed=seed, template=template,
+                read,
+                samples,
+                enc,
+                cfg,
+                eos_token_id=eos,
+                batch_size=batch_size,
+                seed=seed,
+                template=template,
                 path=str(path),
             )
         columns = {"input_ids": [s["input_ids"] for s in samples], "labels": [s["labels"] for s in samples]}

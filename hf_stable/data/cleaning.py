@@ -20,8 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 ZERO_WIDTH = "\u200b\u200c\u200d\u2060\ufeff"
-_CONTROLS = "".join(chr(c) for c in range(0x20) if chr(c) not in "\n\t") + "\x7f" + "".join(
-    chr(c) for c in range(0x80, 0xA0)
+_CONTROLS = (
+    "".join(chr(c) for c in range(0x20) if chr(c) not in "\n\t") + "\x7f" + "".join(chr(c) for c in range(0x80, 0xA0))
 )
 _ZERO_WIDTH_RE = re.compile(f"[{re.escape(ZERO_WIDTH)}]")
 _CONTROL_RE = re.compile(f"[{re.escape(_CONTROLS)}]")
@@ -93,9 +93,7 @@ def clean_record(record: dict, stats: CleaningStats) -> dict:
 
     out = dict(record)
     if "messages" in record:
-        out["messages"] = [
-            {**m, "content": _clean(m["content"], f"messages.{m['role']}")} for m in record["messages"]
-        ]
+        out["messages"] = [{**m, "content": _clean(m["content"], f"messages.{m['role']}")} for m in record["messages"]]
     else:
         for name in ("instruction", "input", "output"):
             if isinstance(record.get(name), str):

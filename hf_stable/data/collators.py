@@ -61,7 +61,9 @@ def pack_rows(lengths: list[int], max_row_tokens: int | None) -> list[list[int]]
             r = min(range(n_rows), key=load.__getitem__)
             rows[r].append(i)
             load[r] += lengths[i]
-        if all(ld <= max_row_tokens or len(row) == 1 for ld, row in zip(load, rows)) or n_rows >= len(lengths):
+        if all(ld <= max_row_tokens or len(row) == 1 for ld, row in zip(load, rows, strict=False)) or n_rows >= len(
+            lengths
+        ):
             return [sorted(row) for row in rows if row]
         n_rows += 1
 
@@ -103,10 +105,10 @@ class PaddingCollator:
         import torch
 
         rows = [_as_list(f["input_ids"]) for f in features]
-        labels = [_as_list(f["labels"]) if "labels" in f else list(r) for f, r in zip(features, rows)]
+        labels = [_as_list(f["labels"]) if "labels" in f else list(r) for f, r in zip(features, rows, strict=False)]
         width = _round_up(max(len(r) for r in rows), self.pad_to_multiple_of)
         ids_out, lab_out, mask_out, n_sup = [], [], [], 0
-        for r, lab in zip(rows, labels):
+        for r, lab in zip(rows, labels, strict=False):
             extra = width - len(r)
             n_sup += sum(1 for x in lab if x != IGNORE_INDEX)
             if self.padding_side == "right":

@@ -146,18 +146,23 @@ def _parse_line(raw: bytes, fmt: str) -> tuple[dict, str]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _Bad("non_utf8", f"bytes are not valid UTF-8 at byte {e.start} ({raw[e.start:e.start + 4]!r})")
+        raise _Bad(
+            "non_utf8", f"bytes are not valid UTF-8 at byte {e.start} ({raw[e.start : e.start + 4]!r})"
+        ) from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise _Bad("invalid_json", f"malformed JSON: {e.msg} at column {e.colno}")
+        raise _Bad("invalid_json", f"malformed JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(obj, dict):
         raise _Bad("not_an_object", f"each line must be a JSON object, got {_type_name(obj)}")
     found = _lone_surrogate(obj, "") if _SURROGATE_ESCAPE.search(raw) else None
     if found:
         name, pos, char = found
-        raise _Bad("invalid_unicode", f"field '{name}' holds a lone surrogate \\u{ord(char):04x} at character {pos} "
-                   "(an unpaired UTF-16 escape: valid JSON, not text); fix the escape or remove the character")
+        raise _Bad(
+            "invalid_unicode",
+            f"field '{name}' holds a lone surrogate \\u{ord(char):04x} at character {pos} "
+            "(an unpaired UTF-16 escape: valid JSON, not text); fix the escape or remove the character",
+        )
     this = record_format(obj)
     if this is None:
         raise _Bad("missing_field", "record has neither 'messages' (chat) nor 'instruction'/'output' (alpaca)")
@@ -220,12 +225,17 @@ def read_records(
                 obj = clean_record(obj, result.cleaning)
             if not answer_text(obj):
                 field_name = "the last message's content" if this == "chat" else "field 'output'"
-                raise _Bad("empty_answer", f"{field_name} is empty after cleaning (only whitespace, zero-width or "
-                           "control characters): the sample would teach nothing but EOS")
+                raise _Bad(
+                    "empty_answer",
+                    f"{field_name} is empty after cleaning (only whitespace, zero-width or "
+                    "control characters): the sample would teach nothing but EOS",
+                )
         except _Bad as bad:
             msg = f"{path_s}:{lineno}: {bad}"
             if on_bad_record != "skip":
-                raise DataError(f"{msg}\n  fix the line, or set data.on_bad_record: skip to skip and count bad lines")
+                raise DataError(
+                    f"{msg}\n  fix the line, or set data.on_bad_record: skip to skip and count bad lines"
+                ) from None
             result.skipped[bad.reason] += 1
             if len(result.skipped_examples) < _MAX_EXAMPLES:
                 result.skipped_examples.append(msg)

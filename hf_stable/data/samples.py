@@ -104,7 +104,7 @@ def encode_records(
         part = records[start : start + chunk]
         prompts = encode_prompts(tokenizer, [r.data for r in part], template)
         answers = encode_answers(tokenizer, [r.data for r in part])
-        for k, (rec, p, a) in enumerate(zip(part, prompts, answers)):
+        for k, (rec, p, a) in enumerate(zip(part, prompts, answers, strict=False)):
             built = build_sample(p, a, max_length)
             if built is None:
                 stats.dropped["no_supervised_token"] += 1

@@ -6,12 +6,12 @@ from hf_stable.doctor.findings import SEVERITIES, DoctorReport, Finding
 from hf_stable.doctor.report import REPORT_JSON, REPORT_MD, render_markdown, render_text, save_report
 
 __all__ = [
-    "DoctorBlockingError",
-    "DoctorReport",
-    "Finding",
     "REPORT_JSON",
     "REPORT_MD",
     "SEVERITIES",
+    "DoctorBlockingError",
+    "DoctorReport",
+    "Finding",
     "blocking_on_any_rank",
     "main",
     "preflight",

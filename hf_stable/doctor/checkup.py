@@ -42,13 +42,20 @@ def config_findings(cfg) -> list[Finding]:
 
     try:
         problems = config_problems(cfg)
-    except Exception as e:  # noqa: BLE001 - a check that crashes is a finding too
+    except Exception as e:
         return [_crash("hazards.config", "the config checks failed", e)]
     out = []
     for problem in problems:
         key, _, what = problem.partition(": ")
-        out.append(Finding("error", what or key, key, f"fix {key}; the recipe refuses to start until it is fixed",
-                           check="hazards.config"))  # fmt: skip
+        out.append(
+            Finding(
+                "error",
+                what or key,
+                key,
+                f"fix {key}; the recipe refuses to start until it is fixed",
+                check="hazards.config",
+            )
+        )
     return out
 
 
@@ -128,15 +135,27 @@ def run_doctor(
         for name, audit in (getattr(data, "audit", None) or {}).items():
             for alert in (audit or {}).get("alerts", []):
                 path = getattr(cfg.data, f"{name}_file", None)
-                report.add(Finding("warning", f"data audit ({name}): {alert}", f"data.{name}_file={path}",
-                                   "inspect it with `hf-stable audit FILE --tokenizer DIR` (details per record)",
-                                   check="hazards.data_audit"))  # fmt: skip
+                report.add(
+                    Finding(
+                        "warning",
+                        f"data audit ({name}): {alert}",
+                        f"data.{name}_file={path}",
+                        "inspect it with `hf-stable audit FILE --tokenizer DIR` (details per record)",
+                        check="hazards.data_audit",
+                    )
+                )
     try:
-        report.add(check_hazards(
-            cfg, s, doctor, facts=facts, tokenizer=tokenizer,
-            collator=collator if collator is not None else getattr(data, "collator", None),
-            n_train=len(data.train_dataset) if data is not None else None,
-        ))  # fmt: skip
+        report.add(
+            check_hazards(
+                cfg,
+                s,
+                doctor,
+                facts=facts,
+                tokenizer=tokenizer,
+                collator=collator if collator is not None else getattr(data, "collator", None),
+                n_train=len(data.train_dataset) if data is not None else None,
+            )
+        )
     except Exception as e:
         report.add(_crash("hazards.crash", "a config check failed", e))
 
@@ -152,17 +171,21 @@ def _dry_run(report: DoctorReport, cfg, s, doctor: DoctorConfig, base, model, da
     blockers = [f.check for f in report.blocking_findings()]
     if blockers or data is None:
         why = ", ".join(sorted(set(blockers))) or "no data"
-        report.add(Finding("info", "dry run skipped until the blocking findings are fixed", why,
-                           check="dry_run.skipped"))  # fmt: skip
+        report.add(
+            Finding("info", "dry run skipped until the blocking findings are fixed", why, check="dry_run.skipped")
+        )
         return
     sharded = [k for k in ("deepspeed", "fsdp") if s.get(k)]
     if sharded:
-        report.add(Finding(
-            "info", f"dry run skipped: training.{sharded[0]} shards the model only once the Trainer wraps it",
-            f"training.{sharded[0]}={s.get(sharded[0])!r}",
-            "run `hf-stable doctor` without the sharding keys on one GPU (smaller micro-batch) to dry-run the rest",
-            check="dry_run.skipped",
-        ))  # fmt: skip
+        report.add(
+            Finding(
+                "info",
+                f"dry run skipped: training.{sharded[0]} shards the model only once the Trainer wraps it",
+                f"training.{sharded[0]}={s.get(sharded[0])!r}",
+                "run `hf-stable doctor` without the sharding keys on one GPU (smaller micro-batch) to dry-run the rest",
+                check="dry_run.skipped",
+            )
+        )
         return
     try:
         if model is None:
@@ -196,8 +219,9 @@ def preflight(cfg, args, *, model, tokenizer, data, output_dir=None) -> DoctorRe
     """
     doctor = doctor_settings(cfg)
     try:
-        report = run_doctor(cfg, args=args, model=model, tokenizer=tokenizer, data=data,
-                            output_dir=output_dir or args.output_dir)  # fmt: skip
+        report = run_doctor(
+            cfg, args=args, model=model, tokenizer=tokenizer, data=data, output_dir=output_dir or args.output_dir
+        )
     except BaseException:
         from hf_stable.distributed import all_reduce_flag
 
@@ -208,8 +232,9 @@ def preflight(cfg, args, *, model, tokenizer, data, output_dir=None) -> DoctorRe
         lines = [f"{f.check}: {f.what} ({f.evidence}) -> {f.fix}" for f in report.blocking_findings()]
         lines = lines or ["another rank found a blocking problem (its report is printed on that rank)"]
         if doctor.allow_blocking:
-            logger.warning("doctor found blocking problems; starting anyway (doctor_checks.allow_blocking):\n%s",
-                           "\n".join(lines))  # fmt: skip
+            logger.warning(
+                "doctor found blocking problems; starting anyway (doctor_checks.allow_blocking):\n%s", "\n".join(lines)
+            )
         else:
             raise DoctorBlockingError(
                 "the preflight doctor found blocking problems (report in doctor_report.md):\n  - "

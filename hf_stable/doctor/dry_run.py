@@ -45,7 +45,7 @@ def _total_steps(s: TrainingSettings, n_train: int) -> int:
         return int(s.get("max_steps"))
     batches = math.ceil(n_train / max(s.micro_batch * launch_world_size(), 1))  # the Trainer's len(dataloader)/rank
     per_epoch = max(math.ceil(batches / s.accumulation), 1)
-    return max(int(math.ceil(per_epoch * float(s.get("num_train_epochs", 1.0)))), 1)
+    return max(math.ceil(per_epoch * float(s.get("num_train_epochs", 1.0))), 1)
 
 
 def _build_optimizer(model, cfg, s: TrainingSettings, total: int):
@@ -56,16 +56,24 @@ def _build_optimizer(model, cfg, s: TrainingSettings, total: int):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the eps-guard warning is a hazard finding already
         opt = build_optimizer(
-            model, cfg.optim, None, lr=s.learning_rate, weight_decay=float(s.get("weight_decay", 0.0)),
+            model,
+            cfg.optim,
+            None,
+            lr=s.learning_rate,
+            weight_decay=float(s.get("weight_decay", 0.0)),
             betas=(float(s.get("adam_beta1", 0.9)), float(s.get("adam_beta2", 0.999))),
-            eps=float(s.get("adam_epsilon", 1e-8)), fp16=s.fp16 or cfg.model.dtype == "float16",
-        )  # fmt: skip
+            eps=float(s.get("adam_epsilon", 1e-8)),
+            fp16=s.fp16 or cfg.model.dtype == "float16",
+        )
     warm = s.get("warmup_steps", 0) or 0
     warm = int(warm) if warm >= 1 else math.ceil(total * float(warm or s.get("warmup_ratio", 0.0) or 0.0))
     sched = get_scheduler(
-        s.get("lr_scheduler_type", "linear"), opt, num_warmup_steps=warm, num_training_steps=total,
+        s.get("lr_scheduler_type", "linear"),
+        opt,
+        num_warmup_steps=warm,
+        num_training_steps=total,
         scheduler_specific_kwargs=s.get("lr_scheduler_kwargs") or {},
-    )  # fmt: skip
+    )
     return opt, sched
 
 
@@ -172,9 +180,14 @@ def _run(model, data, cfg, s, doctor, findings) -> tuple[dict, list[Finding]]:
     opt, sched = _build_optimizer(model, cfg, s, _total_steps(s, n_train))
     seed = int(s.get("seed", 42))
     loader = DataLoader(
-        data.train_dataset, batch_size=b, shuffle=True, collate_fn=data.collator, drop_last=n_train >= b,
-        num_workers=int(s.get("dataloader_num_workers", 0)), generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip
+        data.train_dataset,
+        batch_size=b,
+        shuffle=True,
+        collate_fn=data.collator,
+        drop_last=n_train >= b,
+        num_workers=int(s.get("dataloader_num_workers", 0)),
+        generator=torch.Generator().manual_seed(seed),
+    )
     batches = itertools.chain.from_iterable(itertools.repeat(loader))
 
     groups = group_parameters(model, trainable_only=True)
@@ -201,7 +214,7 @@ def _run(model, data, cfg, s, doctor, findings) -> tuple[dict, list[Finding]]:
                 torch.cuda.synchronize(device)
             wait, compute = wait + (t1 - t0), compute + (time.perf_counter() - t1)
         if scaler and unscale:
-            scaler.unscale_(opt)
+            scaler.unscale_(opt)  # noqa: F821 - `opt` of _run, deleted only after the last call
         return loss_sum, wait, compute, n_tok
 
     # Phase 1: real optimizer steps (Trainer order). Do gradients reach every parameter? Is the loss sane?
@@ -243,7 +256,7 @@ def _run(model, data, cfg, s, doctor, findings) -> tuple[dict, list[Finding]]:
     names = [n for n, _, _ in entries]
     ever_ok, ever_bad = grads.verdicts()
     findings += gradient_findings(names, ever_ok, ever_bad, scaler is not None, rows)
-    facts["grad_norms_per_step"] = [{"step": r["step"], **dict(zip(gnames, r["norms"]))} for r in rows]
+    facts["grad_norms_per_step"] = [{"step": r["step"], **dict(zip(gnames, r["norms"], strict=False))} for r in rows]
     stats, grad_findings = group_statistics(noise, gnames, doctor)
     facts["grad_norms"] = stats
     findings += grad_findings
@@ -270,13 +283,26 @@ def _loss_findings(rows: list[dict]) -> list[Finding]:
     losses = [r["loss"] for r in rows]
     bad = [r["step"] for r in rows if not math.isfinite(r["loss"])]
     if bad:
-        return [_f("error", "loss", f"the loss is not finite at dry-run step {bad[0]}",
-                   f"losses: {', '.join(f'{x:.4g}' for x in losses)}",
-                   "look for fp16 overflow, a too-high LR, or bad samples; hf-stable audit checks the data")]
+        return [
+            _f(
+                "error",
+                "loss",
+                f"the loss is not finite at dry-run step {bad[0]}",
+                f"losses: {', '.join(f'{x:.4g}' for x in losses)}",
+                "look for fp16 overflow, a too-high LR, or bad samples; hf-stable audit checks the data",
+            )
+        ]
     if losses and losses[0] < 1e-4:
-        return [_f("error", "loss", "the loss is ~0 before any training", f"first loss {losses[0]:.3g}",
-                   "the labels probably leak the answer (no shift, or labels == inputs everywhere) or the task is "
-                   "trivial; check the data and the collator")]  # fmt: skip
+        return [
+            _f(
+                "error",
+                "loss",
+                "the loss is ~0 before any training",
+                f"first loss {losses[0]:.3g}",
+                "the labels probably leak the answer (no shift, or labels == inputs everywhere) or the task is "
+                "trivial; check the data and the collator",
+            )
+        ]
     trend = f"{losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps"
     return [_f("ok", "loss", "loss is finite and non-trivial", trend)]
 
@@ -285,20 +311,41 @@ def _timing(t_data, t_compute, tokens, cfg) -> tuple[dict, list[Finding]]:
     skip = 1 if len(t_data) > 2 else 0  # the first step pays for lazy init and allocator warm-up
     data, comp, tok = sum(t_data[skip:]), sum(t_compute[skip:]), sum(tokens[skip:])
     n = max(len(t_data) - skip, 1)
-    facts = {"step_seconds": (data + comp) / n, "data_seconds": data / n, "compute_seconds": comp / n,
-             "data_share": data / max(data + comp, 1e-12), "tokens_per_second": tok / max(data + comp, 1e-12)}
+    facts = {
+        "step_seconds": (data + comp) / n,
+        "data_seconds": data / n,
+        "compute_seconds": comp / n,
+        "data_share": data / max(data + comp, 1e-12),
+        "tokens_per_second": tok / max(data + comp, 1e-12),
+    }
     ratio = data / max(comp, 1e-12)
     facts["data_compute_ratio"] = ratio
     thr = getattr(getattr(cfg.stability, "monitors", None), "throughput", None)
     mild, severe = getattr(thr, "mild_ratio", 1.2), getattr(thr, "severe_ratio", 2.5)
-    evidence = (f"step {facts['step_seconds'] * 1e3:.0f} ms, data {facts['data_share']:.0%} of it "
-                f"(wait/compute {ratio:.2f}), {facts['tokens_per_second']:.0f} tokens/s")
+    evidence = (
+        f"step {facts['step_seconds'] * 1e3:.0f} ms, data {facts['data_share']:.0%} of it "
+        f"(wait/compute {ratio:.2f}), {facts['tokens_per_second']:.0f} tokens/s"
+    )
     if ratio > severe:
-        return facts, [_f("warning", "throughput", "the dataloader dominates the step (severe stall)", evidence,
-                          "raise training.dataloader_num_workers or pre-tokenize the data")]
+        return facts, [
+            _f(
+                "warning",
+                "throughput",
+                "the dataloader dominates the step (severe stall)",
+                evidence,
+                "raise training.dataloader_num_workers or pre-tokenize the data",
+            )
+        ]
     if ratio > mild:
-        return facts, [_f("info", "throughput", "the dataloader takes longer than the compute (mild stall)", evidence,
-                          "raise training.dataloader_num_workers")]
+        return facts, [
+            _f(
+                "info",
+                "throughput",
+                "the dataloader takes longer than the compute (mild stall)",
+                evidence,
+                "raise training.dataloader_num_workers",
+            )
+        ]
     return facts, [_f("ok", "throughput", "step time", evidence)]
 
 
@@ -309,27 +356,59 @@ def _memory(model, data, b: int, device, autocast, doctor: DoctorConfig) -> tupl
         rows = [data.train_dataset[i % n] for i in range(k)]
         return _to(data.collator(rows), device)
 
-    p = probe_memory(model, make_batch, b, device, autocast,
-                     tolerance=doctor.memory_linear_tolerance, headroom=doctor.memory_headroom)  # fmt: skip
+    p = probe_memory(
+        model,
+        make_batch,
+        b,
+        device,
+        autocast,
+        tolerance=doctor.memory_linear_tolerance,
+        headroom=doctor.memory_headroom,
+    )
     facts = dict(vars(p))
     if p.device == "cpu":
-        ev = (f"RSS {p.base_mib:.0f} MiB before; high-water mark {p.peak_b_mib:.0f} MiB at b={b}, "
-              f"{p.peak_2b_mib:.0f} MiB at 2b={2 * b}; RSS growth {p.rss_growth_mib:+.0f} MiB")
+        ev = (
+            f"RSS {p.base_mib:.0f} MiB before; high-water mark {p.peak_b_mib:.0f} MiB at b={b}, "
+            f"{p.peak_2b_mib:.0f} MiB at 2b={2 * b}; RSS growth {p.rss_growth_mib:+.0f} MiB"
+        )
         return facts, [_f("info", "memory", f"CPU memory at micro-batch {b} and {2 * b}", ev)]
     if p.oom_at == b:
-        return facts, [_f("error", "memory", f"micro-batch {b} does not fit in GPU memory",
-                          f"{p.base_mib:.0f} MiB allocated before the pass", "lower per_device_train_batch_size and "
-                          "raise gradient_accumulation_steps, or enable gradient checkpointing")]  # fmt: skip
+        return facts, [
+            _f(
+                "error",
+                "memory",
+                f"micro-batch {b} does not fit in GPU memory",
+                f"{p.base_mib:.0f} MiB allocated before the pass",
+                "lower per_device_train_batch_size and "
+                "raise gradient_accumulation_steps, or enable gradient checkpointing",
+            )
+        ]
     ev = f"peak {p.peak_b_mib:.0f} MiB at b={b}"
     if p.oom_at:
         return facts, [_f("info", "memory", f"2b={2 * b} does not fit: the largest micro-batch is below it", ev)]
-    ev += (f", {p.peak_2b_mib:.0f} MiB at 2b (activations x{p.ratio:.2f}); estimated largest micro-batch "
-           f"{p.max_micro_batch} within {doctor.memory_headroom:.0%} of {p.total_mib:.0f} MiB")
+    ev += (
+        f", {p.peak_2b_mib:.0f} MiB at 2b (activations x{p.ratio:.2f}); estimated largest micro-batch "
+        f"{p.max_micro_batch} within {doctor.memory_headroom:.0%} of {p.total_mib:.0f} MiB"
+    )
     if not p.linear:
-        return facts, [_f("warning", "memory", "activation memory is not linear in the micro-batch", ev,
-                          "padding to the longest sample or attention without a fused kernel grows faster than "
-                          "linear; use packing (data.packing: true) or flash attention")]  # fmt: skip
+        return facts, [
+            _f(
+                "warning",
+                "memory",
+                "activation memory is not linear in the micro-batch",
+                ev,
+                "padding to the longest sample or attention without a fused kernel grows faster than "
+                "linear; use packing (data.packing: true) or flash attention",
+            )
+        ]
     if p.max_micro_batch is not None and p.max_micro_batch < b:
-        return facts, [_f("warning", "memory", "little GPU memory headroom at the configured micro-batch", ev,
-                          "lower per_device_train_batch_size")]
+        return facts, [
+            _f(
+                "warning",
+                "memory",
+                "little GPU memory headroom at the configured micro-batch",
+                ev,
+                "lower per_device_train_batch_size",
+            )
+        ]
     return facts, [_f("ok", "memory", "memory is linear in the micro-batch", ev)]

@@ -88,7 +88,7 @@ def _gpu_facts() -> list[dict]:
             domain, device = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
             gpu["bus_id"] = f"{domain:08x}:{props.pci_bus_id:02x}:{device:02x}.0"
         try:
-            free, total = torch.cuda.mem_get_info(i)
+            free, _total = torch.cuda.mem_get_info(i)
             gpu["free_gib"] = round(free / GIB, 2)
         except RuntimeError:
             gpu["free_gib"] = None
@@ -166,25 +166,38 @@ def _precision_findings(gpus: list[dict], settings: TrainingSettings, cfg) -> li
     wants_fp16 = settings.fp16 or cfg.model.dtype == "float16"
     if not gpus:
         if wants_fp16:
-            out.append(_f(
-                "warning", "precision", "fp16 requested on a CPU-only machine",
-                f"training.fp16={settings.fp16}, model.dtype={cfg.model.dtype}",
-                "fp16 brings no speed-up on CPU and risks overflow; use fp32 on CPU (training.fp16: false, "
-                "model.dtype: float32)",
-            ))  # fmt: skip
+            out.append(
+                _f(
+                    "warning",
+                    "precision",
+                    "fp16 requested on a CPU-only machine",
+                    f"training.fp16={settings.fp16}, model.dtype={cfg.model.dtype}",
+                    "fp16 brings no speed-up on CPU and risks overflow; use fp32 on CPU (training.fp16: false, "
+                    "model.dtype: float32)",
+                )
+            )
         return out
     no_bf16 = [g["name"] for g in gpus if not g["bf16"]]
     if wants_bf16 and no_bf16:
-        out.append(_f(
-            "error", "precision", "bf16 requested but a GPU has no native bf16",
-            f"{', '.join(sorted(set(no_bf16)))} (compute capability < 8.0)",
-            "use fp16 with loss scaling (training.fp16: true, training.bf16: false) or fp32 on this GPU",
-        ))  # fmt: skip
+        out.append(
+            _f(
+                "error",
+                "precision",
+                "bf16 requested but a GPU has no native bf16",
+                f"{', '.join(sorted(set(no_bf16)))} (compute capability < 8.0)",
+                "use fp16 with loss scaling (training.fp16: true, training.bf16: false) or fp32 on this GPU",
+            )
+        )
     elif not wants_bf16 and not wants_fp16 and not no_bf16:
-        out.append(_f(
-            "info", "precision", "training in fp32 on GPUs that support bf16",
-            ", ".join(sorted({g["name"] for g in gpus})), "training.bf16: true is usually faster and numerically safe",
-        ))  # fmt: skip
+        out.append(
+            _f(
+                "info",
+                "precision",
+                "training in fp32 on GPUs that support bf16",
+                ", ".join(sorted({g["name"] for g in gpus})),
+                "training.bf16: true is usually faster and numerically safe",
+            )
+        )
     return out
 
 
@@ -194,28 +207,48 @@ def _hardware_findings(gpus: list[dict], doctor: DoctorConfig) -> list[Finding]:
         tag = f"GPU {g['index']} ({g['name']})"
         temp = g.get("temperature_c")
         if temp is not None and temp >= doctor.temperature_warn_c:
-            out.append(_f(
-                "warning", "temperature", f"{tag} is already hot before training", f"{temp} C",
-                "check cooling / other jobs; the thermal guard will lower gradient accumulation when it throttles",
-            ))  # fmt: skip
+            out.append(
+                _f(
+                    "warning",
+                    "temperature",
+                    f"{tag} is already hot before training",
+                    f"{temp} C",
+                    "check cooling / other jobs; the thermal guard will lower gradient accumulation when it throttles",
+                )
+            )
         width, width_max = g.get("pcie_width"), g.get("pcie_width_max")
         if width and width_max and width < width_max:
-            out.append(_f(
-                "warning", "pcie", f"{tag} PCIe link is narrower than the card supports", f"x{width} of x{width_max}",
-                "reseat the card or check the slot / riser; host<->device copies run at a fraction of the speed",
-            ))  # fmt: skip
+            out.append(
+                _f(
+                    "warning",
+                    "pcie",
+                    f"{tag} PCIe link is narrower than the card supports",
+                    f"x{width} of x{width_max}",
+                    "reseat the card or check the slot / riser; host<->device copies run at a fraction of the speed",
+                )
+            )
         gen, gen_max = g.get("pcie_gen"), g.get("pcie_gen_max")
         if gen and gen_max and gen < gen_max:
-            out.append(_f(
-                "info", "pcie", f"{tag} PCIe link below its top generation", f"gen {gen} of {gen_max}",
-                "idle GPUs lower the link generation to save power; recheck under load if transfers are slow",
-            ))  # fmt: skip
-    if len(gpus) > 1 and all(g.get("nvlink_active") == 0 for g in gpus if "nvlink_active" in g):
-        if any("nvlink_active" in g for g in gpus):
-            out.append(_f(
-                "info", "nvlink", "no active NVLink between the GPUs", f"{len(gpus)} GPUs",
+            out.append(
+                _f(
+                    "info",
+                    "pcie",
+                    f"{tag} PCIe link below its top generation",
+                    f"gen {gen} of {gen_max}",
+                    "idle GPUs lower the link generation to save power; recheck under load if transfers are slow",
+                )
+            )
+    reported = [g for g in gpus if "nvlink_active" in g]
+    if len(gpus) > 1 and reported and all(g["nvlink_active"] == 0 for g in reported):
+        out.append(
+            _f(
+                "info",
+                "nvlink",
+                "no active NVLink between the GPUs",
+                f"{len(gpus)} GPUs",
                 "gradient all-reduce goes over PCIe; expect slower multi-GPU steps",
-            ))  # fmt: skip
+            )
+        )
     return out
 
 
@@ -234,12 +267,16 @@ def _affinity_findings(gpus: list[dict]) -> list[Finding]:
         if node is None or not cpus:
             continue
         if not allowed & cpus:
-            out.append(_f(
-                "warning", "numa", f"process CPUs are all on another NUMA node than GPU {g['index']}",
-                f"GPU on node {node} (CPUs {min(cpus)}-{max(cpus)}); process allowed CPUs {sorted(allowed)[:8]}...",
-                f"pin the process to node {node} (e.g. numactl --cpunodebind={node} or accelerate's "
-                "--enable_cpu_affinity) so dataloader copies stay on the GPU's socket",
-            ))  # fmt: skip
+            out.append(
+                _f(
+                    "warning",
+                    "numa",
+                    f"process CPUs are all on another NUMA node than GPU {g['index']}",
+                    f"GPU on node {node} (CPUs {min(cpus)}-{max(cpus)}); process allowed CPUs {sorted(allowed)[:8]}...",
+                    f"pin the process to node {node} (e.g. numactl --cpunodebind={node} or accelerate's "
+                    "--enable_cpu_affinity) so dataloader copies stay on the GPU's socket",
+                )
+            )
     return out
 
 
@@ -253,11 +290,15 @@ def check_environment(cfg, settings: TrainingSettings, doctor: DoctorConfig) -> 
     gpus = _gpu_facts() if torch.cuda.is_available() else []
     facts["gpus"] = gpus
     if not gpus:
-        findings.append(_f(
-            "info", "accelerator", "CPU-only machine: no CUDA GPU is visible",
-            f"torch {torch.__version__}, cuda available: False, {os.cpu_count()} CPU cores",
-            "fine for the embedded tiny base; real checkpoints need a GPU (and a CUDA build of torch)",
-        ))  # fmt: skip
+        findings.append(
+            _f(
+                "info",
+                "accelerator",
+                "CPU-only machine: no CUDA GPU is visible",
+                f"torch {torch.__version__}, cuda available: False, {os.cpu_count()} CPU cores",
+                "fine for the embedded tiny base; real checkpoints need a GPU (and a CUDA build of torch)",
+            )
+        )
     else:
         desc = "; ".join(
             f"{g['index']}: {g['name']} sm_{g['capability'].replace('.', '')}, bf16 {'yes' if g['bf16'] else 'no'}, "
@@ -267,31 +308,51 @@ def check_environment(cfg, settings: TrainingSettings, doctor: DoctorConfig) -> 
         findings.append(_f("ok", "accelerator", f"{len(gpus)} CUDA GPU(s)", desc))
         busy = [g for g in gpus if g["free_gib"] is not None and g["free_gib"] < 0.5 * g["total_gib"]]
         if busy:
-            findings.append(_f(
-                "warning", "gpu_memory", "GPU memory is already in use by another process",
-                "; ".join(f"GPU {g['index']}: {g['free_gib']} of {g['total_gib']} GiB free" for g in busy),
-                "stop the other job or pick a free GPU with CUDA_VISIBLE_DEVICES",
-            ))  # fmt: skip
+            findings.append(
+                _f(
+                    "warning",
+                    "gpu_memory",
+                    "GPU memory is already in use by another process",
+                    "; ".join(f"GPU {g['index']}: {g['free_gib']} of {g['total_gib']} GiB free" for g in busy),
+                    "stop the other job or pick a free GPU with CUDA_VISIBLE_DEVICES",
+                )
+            )
     findings += _precision_findings(gpus, settings, cfg)
 
-    extras = {"flash_attn": is_flash_attn_available(), "deepspeed": is_deepspeed_available(),
-              "pynvml": is_nvml_available()}  # fmt: skip
+    extras = {
+        "flash_attn": is_flash_attn_available(),
+        "deepspeed": is_deepspeed_available(),
+        "pynvml": is_nvml_available(),
+    }
     facts["extras"] = extras
-    findings.append(_f(
-        "info", "extras", "optional extras",
-        ", ".join(f"{k}: {'installed' if v else 'missing'}" for k, v in extras.items()),
-    ))  # fmt: skip
+    findings.append(
+        _f(
+            "info",
+            "extras",
+            "optional extras",
+            ", ".join(f"{k}: {'installed' if v else 'missing'}" for k, v in extras.items()),
+        )
+    )
     if getattr(cfg.attention, "backend", "auto") == "flash" and not extras["flash_attn"]:
-        findings.append(_f(
-            "error", "extras", "attention.backend is 'flash' but flash-attn is not installed",
-            "import flash_attn fails",
-            'pip install "hf-stable[flash]" or set attention.backend: auto',
-        ))  # fmt: skip
+        findings.append(
+            _f(
+                "error",
+                "extras",
+                "attention.backend is 'flash' but flash-attn is not installed",
+                "import flash_attn fails",
+                'pip install "hf-stable[flash]" or set attention.backend: auto',
+            )
+        )
     if settings.get("deepspeed") and not extras["deepspeed"]:
-        findings.append(_f(
-            "error", "extras", "training.deepspeed is set but DeepSpeed is not installed",
-            f"training.deepspeed={settings.get('deepspeed')!r}", 'pip install "hf-stable[deepspeed]"',
-        ))  # fmt: skip
+        findings.append(
+            _f(
+                "error",
+                "extras",
+                "training.deepspeed is set but DeepSpeed is not installed",
+                f"training.deepspeed={settings.get('deepspeed')!r}",
+                'pip install "hf-stable[deepspeed]"',
+            )
+        )
 
     if gpus and extras["pynvml"]:
         try:
@@ -302,9 +363,14 @@ def check_environment(cfg, settings: TrainingSettings, doctor: DoctorConfig) -> 
             findings.append(_f("info", "nvml", "NVML could not be read", f"{type(e).__name__}: {e}"))
         findings += _hardware_findings(gpus, doctor)
     elif gpus:
-        findings.append(_f(
-            "info", "nvml", "no NVML: GPU temperature, PCIe link and NVLink state not checked", "pynvml missing",
-            'pip install "hf-stable[nvml]"',
-        ))  # fmt: skip
+        findings.append(
+            _f(
+                "info",
+                "nvml",
+                "no NVML: GPU temperature, PCIe link and NVLink state not checked",
+                "pynvml missing",
+                'pip install "hf-stable[nvml]"',
+            )
+        )
     findings += _affinity_findings(gpus)
     return facts, findings

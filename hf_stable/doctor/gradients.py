@@ -33,14 +33,26 @@ def check_trainable(model, lora_enabled: bool) -> list[Finding]:
     params = list(model.named_parameters())
     trainable = [n for n, p in params if p.requires_grad]
     if not trainable:
-        return [_f("error", "trainable", "the model has no trainable parameter",
-                   f"{len(params)} parameters, all frozen",
-                   "attach a LoRA adapter (lora.enabled: true) or unfreeze the weights to train")]  # fmt: skip
+        return [
+            _f(
+                "error",
+                "trainable",
+                "the model has no trainable parameter",
+                f"{len(params)} parameters, all frozen",
+                "attach a LoRA adapter (lora.enabled: true) or unfreeze the weights to train",
+            )
+        ]
     frozen = [n for n, p in params if not p.requires_grad and any(m in n.split(".") for m in _ADAPTER_MARKERS)]
     if lora_enabled and frozen:
-        return [_f("error", "frozen_adapter", f"{len(frozen)} adapter parameter(s) frozen by mistake",
-                   names_list(frozen),
-                   "leave peft's adapter parameters trainable (do not freeze them after get_peft_model)")]
+        return [
+            _f(
+                "error",
+                "frozen_adapter",
+                f"{len(frozen)} adapter parameter(s) frozen by mistake",
+                names_list(frozen),
+                "leave peft's adapter parameters trainable (do not freeze them after get_peft_model)",
+            )
+        ]
     return []
 
 
@@ -81,27 +93,54 @@ class GradientReader:
 def gradient_findings(names, ever_ok, ever_bad, fp16_scaler: bool, rows: list[dict]) -> list[Finding]:
     """Verdicts over the optimizer steps: NaN/Inf gradients (and from which step), never-trained parameters."""
     out, steps = [], len(rows)
-    bad = [n for n, x in zip(names, ever_bad) if x]
-    dead = [n for n, ok, b in zip(names, ever_ok, ever_bad) if not ok and not b]
+    bad = [n for n, x in zip(names, ever_bad, strict=False) if x]
+    dead = [n for n, ok, b in zip(names, ever_ok, ever_bad, strict=False) if not ok and not b]
     if bad and not fp16_scaler:
         first = next(r for r in rows if r["nonfinite"])
-        when = f"first at step {first['step']}" + (", where the loss was already non-finite: the weights had "
-                                                   "diverged" if not math.isfinite(first["loss"]) else "")
-        out.append(_f("error", "gradients", f"{len(bad)} parameter(s) got NaN/Inf gradients ({when})",
-                      names_list(bad),
-                      "lower the LR, check fp16 overflow, or run with stability.monitors.nonfinite.detect_anomaly"))
+        when = f"first at step {first['step']}" + (
+            ", where the loss was already non-finite: the weights had diverged"
+            if not math.isfinite(first["loss"])
+            else ""
+        )
+        out.append(
+            _f(
+                "error",
+                "gradients",
+                f"{len(bad)} parameter(s) got NaN/Inf gradients ({when})",
+                names_list(bad),
+                "lower the LR, check fp16 overflow, or run with stability.monitors.nonfinite.detect_anomaly",
+            )
+        )
     elif bad:
-        out.append(_f("info", "gradients", f"fp16 loss scaler skipped steps with NaN/Inf gradients ({len(bad)} "
-                      "tensors)", names_list(bad),
-                      "normal while the loss scale calibrates; persistent skips mean overflow"))
+        out.append(
+            _f(
+                "info",
+                "gradients",
+                f"fp16 loss scaler skipped steps with NaN/Inf gradients ({len(bad)} tensors)",
+                names_list(bad),
+                "normal while the loss scale calibrates; persistent skips mean overflow",
+            )
+        )
     if dead:
-        out.append(_f("error", "dead_parameters", f"{len(dead)} trainable parameter(s) never got a non-zero gradient "
-                      f"in {steps} steps", names_list(dead, 8),
-                      "these were frozen by mistake or are cut off from the loss: check requires_grad, detach() "
-                      "calls, a frozen LoRA B (its A then never trains) or modules the forward never calls"))
+        out.append(
+            _f(
+                "error",
+                "dead_parameters",
+                f"{len(dead)} trainable parameter(s) never got a non-zero gradient in {steps} steps",
+                names_list(dead, 8),
+                "these were frozen by mistake or are cut off from the loss: check requires_grad, detach() "
+                "calls, a frozen LoRA B (its A then never trains) or modules the forward never calls",
+            )
+        )
     if not bad and not dead:
-        out.append(_f("ok", "gradients", f"all {len(names)} trainable tensors got finite non-zero gradients",
-                      f"{steps} steps"))
+        out.append(
+            _f(
+                "ok",
+                "gradients",
+                f"all {len(names)} trainable tensors got finite non-zero gradients",
+                f"{steps} steps",
+            )
+        )
     return out
 
 
@@ -123,17 +162,35 @@ def group_statistics(rows, gnames, doctor: DoctorConfig) -> tuple[dict, list[Fin
     window = f"{len(rows)} batches at the post-step weights"
     out = []
     if low:
-        out.append(_f("warning", "grad_norms", f"{len(low)} group(s) with mean grad norm < {doctor.grad_mean_min:g}",
-                      f"{window}: {names_list(low)}", "vanishing gradients: check the LR ladder (optim.llrd_decay), "
-                      "frozen inputs, or raise the LoRA alpha"))  # fmt: skip
+        out.append(
+            _f(
+                "warning",
+                "grad_norms",
+                f"{len(low)} group(s) with mean grad norm < {doctor.grad_mean_min:g}",
+                f"{window}: {names_list(low)}",
+                "vanishing gradients: check the LR ladder (optim.llrd_decay), frozen inputs, or raise the LoRA alpha",
+            )
+        )
     if noisy:
         # info, not warning: with ~10 batches the std estimate itself is uncertain by ~25%, and noisy gradients
         # are a property of the batch size more than a defect.
-        out.append(_f("info", "grad_norms", f"{len(noisy)} group(s) with grad-norm std > "
-                      f"{doctor.grad_cv_max:g} x mean (noisy gradients)", f"{window}: {names_list(noisy)}",
-                      "a larger effective batch or a lower LR reduces the noise"))  # fmt: skip
+        out.append(
+            _f(
+                "info",
+                "grad_norms",
+                f"{len(noisy)} group(s) with grad-norm std > {doctor.grad_cv_max:g} x mean (noisy gradients)",
+                f"{window}: {names_list(noisy)}",
+                "a larger effective batch or a lower LR reduces the noise",
+            )
+        )
     if not out:
         worst = max((v["std"] / v["mean"] for v in stats.values() if v["mean"] > 0), default=0.0)
-        out.append(_f("ok", "grad_norms", f"per-group grad norms healthy in {len(stats)} groups",
-                      f"{window}; largest std/mean {worst:.2f} (limit {doctor.grad_cv_max:g})"))  # fmt: skip
+        out.append(
+            _f(
+                "ok",
+                "grad_norms",
+                f"per-group grad norms healthy in {len(stats)} groups",
+                f"{window}; largest std/mean {worst:.2f} (limit {doctor.grad_cv_max:g})",
+            )
+        )
     return stats, out

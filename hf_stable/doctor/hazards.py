@@ -35,9 +35,15 @@ def _fp16(cfg, s: TrainingSettings) -> bool:
 
 def check_training_arguments(s: TrainingSettings) -> list[Finding]:
     if s.error:
-        return [_f("error", "training_arguments", "transformers.TrainingArguments rejects the training section",
-                   s.error,
-                   "fix the training: values named above (or run on hardware that supports them)")]  # fmt: skip
+        return [
+            _f(
+                "error",
+                "training_arguments",
+                "transformers.TrainingArguments rejects the training section",
+                s.error,
+                "fix the training: values named above (or run on hardware that supports them)",
+            )
+        ]
     return []
 
 
@@ -48,19 +54,39 @@ def check_fp16_eps(cfg, s: TrainingSettings) -> list[Finding]:
     evidence = f"training.adam_epsilon={eps:g} < optim.fp16_eps_min={floor:g}; fp16's smallest subnormal is ~6e-8"
     fix = f"set training.adam_epsilon: {floor:g} (or train in bf16)"
     if guard == "clamp":
-        return [_f("info", "fp16_adam_eps", "fp16 with AdamW eps below fp16 resolution: the optimizer factory will "
-                   f"raise it to {floor:g}", evidence, fix)]  # fmt: skip
+        return [
+            _f(
+                "info",
+                "fp16_adam_eps",
+                f"fp16 with AdamW eps below fp16 resolution: the optimizer factory will raise it to {floor:g}",
+                evidence,
+                fix,
+            )
+        ]
     severity = "error" if guard == "error" else "warning"
-    return [_f(severity, "fp16_adam_eps", "fp16 with AdamW eps below fp16 resolution", f"{evidence}; "
-               f"optim.fp16_eps_guard={guard}", fix)]  # fmt: skip
+    return [
+        _f(
+            severity,
+            "fp16_adam_eps",
+            "fp16 with AdamW eps below fp16 resolution",
+            f"{evidence}; optim.fp16_eps_guard={guard}",
+            fix,
+        )
+    ]
 
 
 def check_fp16_family(cfg, s: TrainingSettings, facts: ModelFacts | None, doctor: DoctorConfig) -> list[Finding]:
     if not _fp16(cfg, s) or facts is None or facts.model_type not in doctor.fp16_overflow_families:
         return []
-    return [_f("warning", "fp16_family", f"fp16 on a '{facts.model_type}' model, a family known to overflow in fp16",
-               f"model_type={facts.model_type}; training.fp16={s.fp16}, model.dtype={cfg.model.dtype}",
-               "train in bf16 (training.bf16: true, training.fp16: false) on a GPU with compute capability >= 8.0")]
+    return [
+        _f(
+            "warning",
+            "fp16_family",
+            f"fp16 on a '{facts.model_type}' model, a family known to overflow in fp16",
+            f"model_type={facts.model_type}; training.fp16={s.fp16}, model.dtype={cfg.model.dtype}",
+            "train in bf16 (training.bf16: true, training.fp16: false) on a GPU with compute capability >= 8.0",
+        )
+    ]
 
 
 def check_collator(tokenizer, collator) -> list[Finding]:
@@ -70,31 +96,64 @@ def check_collator(tokenizer, collator) -> list[Finding]:
         return out
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     if tokenizer.padding_side == "left":
-        out.append(_f("warning", "padding_side", "the tokenizer pads on the left for training",
-                      "tokenizer.padding_side='left'",
-                      "set tokenizer.padding_side = 'right' for training (left is for batched "
-                      "generation)"))  # fmt: skip
+        out.append(
+            _f(
+                "warning",
+                "padding_side",
+                "the tokenizer pads on the left for training",
+                "tokenizer.padding_side='left'",
+                "set tokenizer.padding_side = 'right' for training (left is for batched generation)",
+            )
+        )
     if collator is None:
         return out
     probe = probe_collator(collator, tokenizer)
     name = type(collator).__name__
     if probe.ok and probe.padding_side == "left":
-        out.append(_f("warning", "padding_side", f"the data collator ({name}) pads on the left for training",
-                      "probe: the shorter sample ends at the last column",
-                      "use right padding for training (hf_stable.data.PaddingCollator(pad_id))"))  # fmt: skip
+        out.append(
+            _f(
+                "warning",
+                "padding_side",
+                f"the data collator ({name}) pads on the left for training",
+                "probe: the shorter sample ends at the last column",
+                "use right padding for training (hf_stable.data.PaddingCollator(pad_id))",
+            )
+        )
     if not probe.ok:
-        out.append(_f("warning", "eos_supervision", f"could not verify that {name} supervises EOS", probe.error,
-                      "use hf_stable's collator (hf_stable.data.build_data) or check the labels at EOS yourself"))
+        out.append(
+            _f(
+                "warning",
+                "eos_supervision",
+                f"could not verify that {name} supervises EOS",
+                probe.error,
+                "use hf_stable's collator (hf_stable.data.build_data) or check the labels at EOS yourself",
+            )
+        )
     elif not probe.eos_supervised:
-        why = ("pad == eos and the collator masks labels by token id, so every EOS is masked"
-               if pad == eos else "the label at the final EOS is -100 (or there are no labels)")
-        out.append(_f("warning", "eos_supervision", f"{name} does not supervise EOS: the model will not learn to stop",
-                      f"{why}; pad_token_id={pad}, eos_token_id={eos}" + (f"; {probe.error}" if probe.error else ""),
-                      "use hf_stable's collator, which masks padding by position (data.build_data), or give the "
-                      "tokenizer a pad token distinct from EOS"))  # fmt: skip
+        why = (
+            "pad == eos and the collator masks labels by token id, so every EOS is masked"
+            if pad == eos
+            else "the label at the final EOS is -100 (or there are no labels)"
+        )
+        out.append(
+            _f(
+                "warning",
+                "eos_supervision",
+                f"{name} does not supervise EOS: the model will not learn to stop",
+                f"{why}; pad_token_id={pad}, eos_token_id={eos}" + (f"; {probe.error}" if probe.error else ""),
+                "use hf_stable's collator, which masks padding by position (data.build_data), or give the "
+                "tokenizer a pad token distinct from EOS",
+            )
+        )
     elif pad == eos:
-        out.append(_f("info", "eos_supervision", f"pad == eos: safe, {name} supervises EOS by position",
-                      f"pad_token_id = eos_token_id = {eos}; probe: EOS label kept on both samples"))  # fmt: skip
+        out.append(
+            _f(
+                "info",
+                "eos_supervision",
+                f"pad == eos: safe, {name} supervises EOS by position",
+                f"pad_token_id = eos_token_id = {eos}; probe: EOS label kept on both samples",
+            )
+        )
     else:
         out.append(_f("ok", "eos_supervision", f"{name} supervises EOS", f"pad {pad} != eos {eos}; probe passed"))
     return out
@@ -108,27 +167,51 @@ def check_lora_targets(cfg, facts: ModelFacts | None) -> list[Finding]:
     leaves = sorted({n.rsplit(".", 1)[-1] for n in facts.modules if not n.rsplit(".", 1)[-1].isdigit()})
     sample = ", ".join(x for x in leaves if x not in ("model", "layers"))[:300]
     if len(missing) == len(matched):
-        return [_f("error", "lora_targets", "lora.target_modules match no module of the model: LoRA would train "
-                   "nothing", f"target_modules={cfg.lora.target_modules}; module names include: {sample}",
-                   "name modules the model has (e.g. q_proj, v_proj for Llama/Qwen)")]  # fmt: skip
+        return [
+            _f(
+                "error",
+                "lora_targets",
+                "lora.target_modules match no module of the model: LoRA would train nothing",
+                f"target_modules={cfg.lora.target_modules}; module names include: {sample}",
+                "name modules the model has (e.g. q_proj, v_proj for Llama/Qwen)",
+            )
+        ]
     out = []
     if missing:
-        out.append(_f("warning", "lora_targets", f"lora.target_modules {missing} match nothing (ignored)",
-                      f"model_type={facts.model_type}; module names include: {sample}",
-                      f"remove {missing} from lora.target_modules or fix their spelling"))  # fmt: skip
+        out.append(
+            _f(
+                "warning",
+                "lora_targets",
+                f"lora.target_modules {missing} match nothing (ignored)",
+                f"model_type={facts.model_type}; module names include: {sample}",
+                f"remove {missing} from lora.target_modules or fix their spelling",
+            )
+        )
     unwrappable = {
         t: sorted({facts.modules[n] for n in names})
         for t, names in matched.items()
         if names and not any(facts.modules[n] in LORA_WRAPPABLE for n in names)
     }
     if unwrappable:
-        out.append(_f("error", "lora_targets", "lora.target_modules name containers peft cannot wrap",
-                      "; ".join(f"{t} -> {', '.join(c)}" for t, c in unwrappable.items()),
-                      "target the Linear layers inside them (e.g. gate_proj, up_proj, down_proj instead of mlp)"))
+        out.append(
+            _f(
+                "error",
+                "lora_targets",
+                "lora.target_modules name containers peft cannot wrap",
+                "; ".join(f"{t} -> {', '.join(c)}" for t, c in unwrappable.items()),
+                "target the Linear layers inside them (e.g. gate_proj, up_proj, down_proj instead of mlp)",
+            )
+        )
     if not out:
         n = sum(len(v) for v in matched.values())
-        out.append(_f("ok", "lora_targets", f"lora.target_modules match {n} modules",
-                      ", ".join(f"{t}: {len(v)}" for t, v in matched.items())))  # fmt: skip
+        out.append(
+            _f(
+                "ok",
+                "lora_targets",
+                f"lora.target_modules match {n} modules",
+                ", ".join(f"{t}: {len(v)}" for t, v in matched.items()),
+            )
+        )
     return out
 
 
@@ -140,8 +223,10 @@ def check_learning_rate(cfg, s: TrainingSettings) -> list[Finding]:
     if lo <= lr <= hi:
         return [_f("ok", "learning_rate", f"learning rate {lr:g} is in the usual range for {name}", evidence)]
     if name == "lion" and lr > hi:
-        what, fix = (f"Lion with an AdamW-sized learning rate ({lr:g})",
-                     f"Lion wants a 3-10x smaller LR than AdamW: try {lr / 10:.2g} .. {lr / 3:.2g}")  # fmt: skip
+        what, fix = (
+            f"Lion with an AdamW-sized learning rate ({lr:g})",
+            f"Lion wants a 3-10x smaller LR than AdamW: try {lr / 10:.2g} .. {lr / 3:.2g}",
+        )
     elif lr > hi:
         what, fix = f"learning rate {lr:g} is far above the usual range for {name}", f"try <= {hi:g}"
     else:
@@ -155,25 +240,43 @@ def check_effective_batch(cfg, s: TrainingSettings, doctor: DoctorConfig, n_trai
     eff, rule, lr = s.effective_batch, LR_RULE.get(cfg.optim.name, "sqrt"), s.learning_rate
     formula = "b_new/b_old" if rule == "linear" else "sqrt(b_new/b_old)"
     ranks = launch_world_size()
-    evidence = (f"{s.micro_batch} per device x {s.accumulation} accumulation x {ranks} process(es) = {eff}; "
-                f"LR rule for {cfg.optim.name}: {rule} (lr x {formula})")  # fmt: skip
+    evidence = (
+        f"{s.micro_batch} per device x {s.accumulation} accumulation x {ranks} process(es) = {eff}; "
+        f"LR rule for {cfg.optim.name}: {rule} (lr x {formula})"
+    )
     out = []
     ref = doctor.reference_batch
     if ref is not None and ref != eff:
         new = rescale_lr(lr, ref, eff, rule)
-        out.append(_f("warning", "effective_batch",
-                      f"effective batch {eff} differs from the {ref} the LR was tuned at",
-                      f"{evidence}; training.learning_rate={lr:g}",
-                      f"set training.learning_rate: {new:.3g} ({rule} rule), or keep the batch at {ref}"))  # fmt: skip
+        out.append(
+            _f(
+                "warning",
+                "effective_batch",
+                f"effective batch {eff} differs from the {ref} the LR was tuned at",
+                f"{evidence}; training.learning_rate={lr:g}",
+                f"set training.learning_rate: {new:.3g} ({rule} rule), or keep the batch at {ref}",
+            )
+        )
     if n_train is not None and eff > n_train:
-        out.append(_f("warning", "effective_batch", f"effective batch {eff} is larger than the training set",
-                      f"{n_train} training samples; every step sees the whole set",
-                      "lower per_device_train_batch_size / gradient_accumulation_steps or add data"))  # fmt: skip
+        out.append(
+            _f(
+                "warning",
+                "effective_batch",
+                f"effective batch {eff} is larger than the training set",
+                f"{n_train} training samples; every step sees the whole set",
+                "lower per_device_train_batch_size / gradient_accumulation_steps or add data",
+            )
+        )
     if not out:
-        out.append(_f("info", "effective_batch", f"effective batch {eff} at learning rate {lr:g}",
-                      evidence + ("" if ref is None else f"; matches doctor_checks.reference_batch={ref}"),
-                      "when the batch changes (more GPUs, accumulation), rescale the LR with "
-                      "hf_stable.optim.rescale_lr"))  # fmt: skip
+        out.append(
+            _f(
+                "info",
+                "effective_batch",
+                f"effective batch {eff} at learning rate {lr:g}",
+                evidence + ("" if ref is None else f"; matches doctor_checks.reference_batch={ref}"),
+                "when the batch changes (more GPUs, accumulation), rescale the LR with hf_stable.optim.rescale_lr",
+            )
+        )
     return out
 
 
@@ -201,10 +304,16 @@ def check_double_clipping(cfg, s: TrainingSettings) -> list[Finding]:
         norm, where = 0.0, ""
     if section is None or norm <= 0:
         return []
-    return [_f("warning", "double_clipping", "two gradient clippers: Trainer's max_grad_norm and hf_stable's",
-               f"training.max_grad_norm={norm:g} ({where}) and {section}.enabled; the Trainer clips first, so "
-               "hf_stable's per-group thresholds see already-clipped gradients",
-               "set training.max_grad_norm: 0 and let hf_stable clip")]  # fmt: skip
+    return [
+        _f(
+            "warning",
+            "double_clipping",
+            "two gradient clippers: Trainer's max_grad_norm and hf_stable's",
+            f"training.max_grad_norm={norm:g} ({where}) and {section}.enabled; the Trainer clips first, so "
+            "hf_stable's per-group thresholds see already-clipped gradients",
+            "set training.max_grad_norm: 0 and let hf_stable clip",
+        )
+    ]
 
 
 def check_checkpointing(s: TrainingSettings) -> list[Finding]:
@@ -213,14 +322,21 @@ def check_checkpointing(s: TrainingSettings) -> list[Finding]:
     kwargs = s.checkpointing_kwargs
     reentrant = None if kwargs is None else kwargs.get("use_reentrant", "unset")
     if reentrant is True or reentrant == "unset":
-        why = ("use_reentrant=True" if reentrant is True
-               else "kwargs without use_reentrant (torch then defaults to True)")  # fmt: skip
-        return [_f("warning", "checkpointing", "gradient checkpointing with the reentrant implementation",
-                   f"training.gradient_checkpointing_kwargs={kwargs} -> {why}; the reentrant variant gives a "
-                   "checkpointed block no gradient unless one of its inputs requires grad (a frozen-base LoRA "
-                   "depends on enable_input_require_grads) and fails under DDP with find_unused_parameters "
-                   "('marked ready twice'); PyTorch recommends use_reentrant=False",
-                   "set training.gradient_checkpointing_kwargs: {use_reentrant: false}")]  # fmt: skip
+        why = (
+            "use_reentrant=True" if reentrant is True else "kwargs without use_reentrant (torch then defaults to True)"
+        )
+        return [
+            _f(
+                "warning",
+                "checkpointing",
+                "gradient checkpointing with the reentrant implementation",
+                f"training.gradient_checkpointing_kwargs={kwargs} -> {why}; the reentrant variant gives a "
+                "checkpointed block no gradient unless one of its inputs requires grad (a frozen-base LoRA "
+                "depends on enable_input_require_grads) and fails under DDP with find_unused_parameters "
+                "('marked ready twice'); PyTorch recommends use_reentrant=False",
+                "set training.gradient_checkpointing_kwargs: {use_reentrant: false}",
+            )
+        ]
     return [_f("ok", "checkpointing", "gradient checkpointing is non-reentrant", f"kwargs={kwargs}")]
 
 
@@ -236,22 +352,46 @@ def check_host_buffers(cfg, s: TrainingSettings, facts: ModelFacts | None) -> li
     phases = [p.name for p in guards.phases.phases] if guards.enabled and guards.phases.enabled else [cfg.optim.name]
     size = max((estimate_size(facts.trainable_numel, round(per), name) for name in phases), key=lambda x: x.state)
     update = cfg.stability.monitors.update
-    extra = (f"; the update monitor copies the trainable weights on the device every {update.every_n_steps} steps "
-             f"({human(size.params)})" if cfg.stability.monitors.enabled and update.enabled else "")
+    extra = (
+        f"; the update monitor copies the trainable weights on the device every {update.every_n_steps} steps "
+        f"({human(size.params)})"
+        if cfg.stability.monitors.enabled and update.enabled
+        else ""
+    )
     evidence = f"{facts.trainable_numel:,} trainable parameters; {size.describe()}{extra}"
     if not (guards.enabled and guards.skip.enabled and guards.rollback.enabled):
         return [_f("info", "host_buffers", "rollback snapshots are off", evidence)]
     rb = guards.rollback
     plan = plan_storage(size, rb.storage, rb.verify, s.get("output_dir") or ".", rb.host_memory_share)
     if plan.error:
-        return [_f("error", "host_buffers", "rollback snapshots fit neither in host memory nor on disk",
-                   plan.error, "set stability.guards.rollback.enabled: false, free disk space under "
-                   "training.output_dir, or train LoRA (lora.enabled: true)")]  # fmt: skip
+        return [
+            _f(
+                "error",
+                "host_buffers",
+                "rollback snapshots fit neither in host memory nor on disk",
+                plan.error,
+                "set stability.guards.rollback.enabled: false, free disk space under "
+                "training.output_dir, or train LoRA (lora.enabled: true)",
+            )
+        ]
     if plan.note:
-        return [_f("warning", "host_buffers", f"rollback snapshots will go to {plan.storage}: too large for host "
-                   "memory", plan.note, "set stability.guards.rollback.storage: disk (or train LoRA)")]  # fmt: skip
-    return [_f("info", "host_buffers", f"rollback snapshots ({human(size.snapshot)}) fit "
-               f"(storage: {plan.storage})", evidence)]  # fmt: skip
+        return [
+            _f(
+                "warning",
+                "host_buffers",
+                f"rollback snapshots will go to {plan.storage}: too large for host memory",
+                plan.note,
+                "set stability.guards.rollback.storage: disk (or train LoRA)",
+            )
+        ]
+    return [
+        _f(
+            "info",
+            "host_buffers",
+            f"rollback snapshots ({human(size.snapshot)}) fit (storage: {plan.storage})",
+            evidence,
+        )
+    ]
 
 
 def check_hazards(

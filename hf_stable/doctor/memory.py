@@ -99,7 +99,7 @@ def probe_memory(model, make_batch, b: int, device, autocast, *, tolerance: floa
             probe.linear = abs(probe.ratio - 2.0) <= 2.0 * tolerance
             per_sample = max((act_2b - act_b) / b, 1)
             fixed = max(act_b - per_sample * b, 0)
-            probe.max_micro_batch = max(int(math.floor((total * headroom - base - fixed) / per_sample)), 0)
+            probe.max_micro_batch = max(math.floor((total * headroom - base - fixed) / per_sample), 0)
         return probe
 
     base_rss = rss_bytes()

@@ -55,8 +55,12 @@ def _lora_numel(model, lora) -> int:
     """Parameters of a LoRA adapter on `model`: r x (in + out) per targeted Linear (peft keeps them in fp32)."""
     matched = match_targets(lora.target_modules, {n: type(m).__name__ for n, m in model.named_modules() if n})
     modules = dict(model.named_modules())
-    return sum(lora.r * (modules[n].in_features + modules[n].out_features)
-               for names in matched.values() for n in names if hasattr(modules[n], "in_features"))
+    return sum(
+        lora.r * (modules[n].in_features + modules[n].out_features)
+        for names in matched.values()
+        for n in names
+        if hasattr(modules[n], "in_features")
+    )
 
 
 def meta_model_facts(cfg, base: str) -> ModelFacts:
@@ -87,9 +91,7 @@ def match_targets(targets: list[str], modules: dict[str, str]) -> dict[str, list
     out: dict[str, list[str]] = {}
     for t in targets:
         out[t] = [
-            n
-            for n in modules
-            if (n == t or n.endswith("." + t)) and not any(p in n.split(".") for p in _PEFT_PARTS)
+            n for n in modules if (n == t or n.endswith("." + t)) and not any(p in n.split(".") for p in _PEFT_PARTS)
         ]
     return out
 

@@ -15,10 +15,12 @@ _MARK = {"ok": "ok", "info": "info", "warning": "WARN", "error": "ERROR"}
 
 
 def _wrap_row(cells: list[str], widths: list[int]) -> list[str]:
-    wrapped = [textwrap.wrap(c, w, break_on_hyphens=False) or [""] for c, w in zip(cells, widths)]
+    wrapped = [textwrap.wrap(c, w, break_on_hyphens=False) or [""] for c, w in zip(cells, widths, strict=False)]
     height = max(len(w) for w in wrapped)
     return [
-        "  ".join((w[i] if i < len(w) else "").ljust(width) for w, width in zip(wrapped, widths)).rstrip()
+        "  ".join(
+            (w[i] if i < len(w) else "").ljust(width) for w, width in zip(wrapped, widths, strict=False)
+        ).rstrip()
         for i in range(height)
     ]
 
@@ -73,6 +75,7 @@ def save_report(report: DoctorReport, output_dir: str | Path) -> tuple[Path, Pat
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / REPORT_JSON).write_text(report.to_json() + "\n", encoding="utf-8")
-    (out / REPORT_MD).write_text(render_markdown(report, heading="# Preflight (hf-stable doctor)") + "\n",
-                                 encoding="utf-8")  # fmt: skip
+    (out / REPORT_MD).write_text(
+        render_markdown(report, heading="# Preflight (hf-stable doctor)") + "\n", encoding="utf-8"
+    )
     return out / REPORT_JSON, out / REPORT_MD

@@ -10,22 +10,129 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-EN_WORDS = (
-    "apple river stone cloud green light paper music table window garden orange silver tiger "
-    "bread candle forest rocket planet summer winter yellow purple mirror bridge castle dragon "
-    "pencil rabbit violin coffee butter lemon ocean desert island valley market school"
-).split()
-ZH_WORDS = "苹果 香蕉 河流 石头 白云 绿色 阳光 纸张 音乐 桌子 窗户 花园 老虎 面包 蜡烛 森林 火箭 星球 夏天 冬天 镜子 桥梁 城堡 铅笔 兔子 咖啡 海洋 沙漠 岛屿 山谷 市场 学校".split()
+EN_WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "green",
+    "light",
+    "paper",
+    "music",
+    "table",
+    "window",
+    "garden",
+    "orange",
+    "silver",
+    "tiger",
+    "bread",
+    "candle",
+    "forest",
+    "rocket",
+    "planet",
+    "summer",
+    "winter",
+    "yellow",
+    "purple",
+    "mirror",
+    "bridge",
+    "castle",
+    "dragon",
+    "pencil",
+    "rabbit",
+    "violin",
+    "coffee",
+    "butter",
+    "lemon",
+    "ocean",
+    "desert",
+    "island",
+    "valley",
+    "market",
+    "school",
+]
+ZH_WORDS = [
+    "苹果",
+    "香蕉",
+    "河流",
+    "石头",
+    "白云",
+    "绿色",
+    "阳光",
+    "纸张",
+    "音乐",
+    "桌子",
+    "窗户",
+    "花园",
+    "老虎",
+    "面包",
+    "蜡烛",
+    "森林",
+    "火箭",
+    "星球",
+    "夏天",
+    "冬天",
+    "镜子",
+    "桥梁",
+    "城堡",
+    "铅笔",
+    "兔子",
+    "咖啡",
+    "海洋",
+    "沙漠",
+    "岛屿",
+    "山谷",
+    "市场",
+    "学校",
+]
 
-EN_POS = "love great wonderful happy excellent enjoy delightful amazing brilliant pleasant".split()
-EN_NEG = "hate awful terrible sad boring dislike horrible painful dreadful annoying".split()
-EN_SUBJ = (
-    "this movie|the food|my new phone|the weather|that book|the concert|our hotel|the game|this song|the trip|"
-    "the new app|her painting|the lecture|this coffee|the service|that show"
-).split("|")
-ZH_POS = "喜欢 很好 精彩 开心 满意 优秀 美好 愉快".split()
-ZH_NEG = "讨厌 很差 无聊 难过 失望 糟糕 痛苦 烦人".split()
-ZH_SUBJ = "这部电影 这家餐厅 我的新手机 今天的天气 那本书 这场音乐会 这家酒店 这个游戏 这首歌 这次旅行 这个软件 这门课".split()
+EN_POS = [
+    "love",
+    "great",
+    "wonderful",
+    "happy",
+    "excellent",
+    "enjoy",
+    "delightful",
+    "amazing",
+    "brilliant",
+    "pleasant",
+]
+EN_NEG = ["hate", "awful", "terrible", "sad", "boring", "dislike", "horrible", "painful", "dreadful", "annoying"]
+EN_SUBJ = [
+    "this movie",
+    "the food",
+    "my new phone",
+    "the weather",
+    "that book",
+    "the concert",
+    "our hotel",
+    "the game",
+    "this song",
+    "the trip",
+    "the new app",
+    "her painting",
+    "the lecture",
+    "this coffee",
+    "the service",
+    "that show",
+]
+ZH_POS = ["喜欢", "很好", "精彩", "开心", "满意", "优秀", "美好", "愉快"]
+ZH_NEG = ["讨厌", "很差", "无聊", "难过", "失望", "糟糕", "痛苦", "烦人"]
+ZH_SUBJ = [
+    "这部电影",
+    "这家餐厅",
+    "我的新手机",
+    "今天的天气",
+    "那本书",
+    "这场音乐会",
+    "这家酒店",
+    "这个游戏",
+    "这首歌",
+    "这次旅行",
+    "这个软件",
+    "这门课",
+]
 
 UNITS_EN = [("km", "m", 1000), ("kg", "g", 1000), ("m", "cm", 100), ("hours", "minutes", 60), ("L", "mL", 1000)]
 UNITS_ZH = [

@@ -24,11 +24,13 @@ per-sample gradient norms, for every sample of the step (``grad_outlier``; bound
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 
+from hf_stable.compat import foreach_norm
 from hf_stable.core.step_tap import StepTap, batch_gradients
 from hf_stable.distributed import all_gather_tensor, all_reduce_tensor, rank
 from hf_stable.forensics.sample_loss import per_sample_loss, segment_index
@@ -108,7 +110,7 @@ def judge(
     finite = [r for r in rows if math.isfinite(r.loss)]
     culprits: list[Culprit] = []
     suspects: list[SampleRow] = []
-    for r, x in zip(rows, rel):
+    for r, x in zip(rows, rel, strict=False):
         if not math.isfinite(r.loss):
             r.z = math.inf
             if len(finite) * 2 > len(rows):  # most samples fine: this one's data is the fault
@@ -142,7 +144,7 @@ def local_sample_losses(model, tap: StepTap, args=None) -> list[tuple[int, int, 
     out = []
     device = next(model.parameters()).device
     with tap.replaying(), torch.no_grad():
-        for mb, ((call_args, call_kwargs), ids) in enumerate(zip(tap.inputs, tap.record_ids)):
+        for mb, ((call_args, call_kwargs), ids) in enumerate(zip(tap.inputs, tap.record_ids, strict=False)):
             if ids is None or "labels" not in call_kwargs:
                 continue
             with training_autocast(args, device):
@@ -197,7 +199,7 @@ def grad_outliers(rows: list[SampleRow], norms: list[float], *, zscore: float, m
     med, scale = robust_stats(norms)
     finite = sum(1 for n in norms if math.isfinite(n))
     out = []
-    for r, n in zip(rows, norms):
+    for r, n in zip(rows, norms, strict=False):
         if not math.isfinite(n):
             if finite * 2 > len(norms):
                 out.append(Culprit(r, "nonfinite_grad", n))
@@ -223,12 +225,11 @@ def sample_grad_norms(model, params, tap: StepTap, located: dict, rows: list[Sam
             kw = single_sample_inputs(tap.inputs[mb][1], seg)
             if kw is None:
                 continue
-            try:
+            grads = None
+            with contextlib.suppress(Exception):  # evidence only: never fail the run over it
                 _, grads = batch_gradients(model, params, (), kw, args)
-            except Exception:  # noqa: BLE001 - evidence only: never fail the run over it
-                continue
             if grads is not None:
-                sq = sum(float(n.double().square()) for n in torch._foreach_norm(grads, 2.0))
+                sq = sum(float(n.double().square()) for n in foreach_norm(grads, 2.0))
                 norms[k] = math.sqrt(sq) if math.isfinite(sq) else math.inf
     return all_reduce_tensor(norms, "sum").tolist()
 
@@ -238,5 +239,5 @@ def culprit_grad_norms(model, params, tap: StepTap, located: dict, culprits: lis
     if not culprits:
         return
     norms = sample_grad_norms(model, params, tap, located, [c.row for c in culprits], args)
-    for c, n in zip(culprits, norms):
+    for c, n in zip(culprits, norms, strict=False):
         c.grad_norm = n

@@ -35,9 +35,7 @@ def guarded_eps(cfg: OptimConfig, hp: BaseHyperparameters) -> float:
         return hp.eps
     what = f"training.adam_epsilon: got {hp.eps}, below optim.fp16_eps_min ({cfg.fp16_eps_min}) under fp16"
     if cfg.fp16_eps_guard == "error":
-        raise ConfigError(
-            f"{what}; set training.adam_epsilon >= {cfg.fp16_eps_min} or optim.fp16_eps_guard: clamp"
-        )
+        raise ConfigError(f"{what}; set training.adam_epsilon >= {cfg.fp16_eps_min} or optim.fp16_eps_guard: clamp")
     if cfg.fp16_eps_guard == "warn":
         warnings.warn(f"{what}; keeping it (optim.fp16_eps_guard: warn)", stacklevel=4)
         return hp.eps

@@ -140,8 +140,10 @@ class PhasedOptimizer(torch.optim.Optimizer):
         """Replace the inner optimizer by phase `phase`'s, keeping groups (and, per policy, the momentum)."""
         policy = policy or self.state_policy
         old = self.current
-        groups = [{k: v for k, v in g.items() if k not in old.defaults or k in ("lr", "weight_decay")}
-                  for g in old.param_groups]
+        groups = [
+            {k: v for k, v in g.items() if k not in old.defaults or k in ("lr", "weight_decay")}
+            for g in old.param_groups
+        ]
         new = make_optimizer(self.names[phase], groups, self.optim_cfg, self.hyperparameters)
         if policy == "carry_momentum" and self.names[phase] != "adamw":
             with torch.no_grad():

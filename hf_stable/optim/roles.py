@@ -110,8 +110,7 @@ def classify(name: str) -> Role:
         >>> classify("base_model.model.model.layers.3.self_attn.q_proj.lora_B.default.weight")
         Role(role='lora_B', site='layer', layer=3, group='layer_3.lora_B', lora_side='B')
     """
-    if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX) :]
+    name = name.removeprefix(_PEFT_PREFIX)
     parts = name.split(".")
     site, layer = _site_of(parts, name)
     base = _site_group(site, layer)

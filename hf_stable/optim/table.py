@@ -46,7 +46,7 @@ def format_group_table(rows: list[dict]) -> str:
     lines = []
     for n, row in enumerate(cells):
         left = row[0].ljust(widths[0])
-        rest = "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:]))
+        rest = "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=False))
         lines.append(f"{left}  {rest}".rstrip())
         if n == 0 or n == len(cells) - 2:
             lines.append("-" * (sum(widths) + 2 * (len(widths) - 1)))

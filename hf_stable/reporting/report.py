@@ -58,8 +58,10 @@ def _events_markdown(events: list[dict]) -> list[str]:
         return ["No stability events were recorded: no alert fired and no guard acted."]
     by_severity = Counter(e.get("severity", "warning") for e in events)
     lines = [
-        f"{len(events)} event(s): {by_severity.get('error', 0)} error, {by_severity.get('warning', 0)} warning, "
-        f"{by_severity.get('info', 0)} info.",
+        (
+            f"{len(events)} event(s): {by_severity.get('error', 0)} error, "
+            f"{by_severity.get('warning', 0)} warning, {by_severity.get('info', 0)} info."
+        ),
         "",
         "| kind | count | first step | last step |",
         "|---|---:|---:|---:|",

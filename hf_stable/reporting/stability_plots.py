@@ -59,11 +59,11 @@ def draw_loss(ax, history: list[dict], events: list[dict]) -> bool:
     if not (logged or per_step or evals):
         return False
     if per_step:
-        ax.plot(*zip(*per_step), label="train loss (step)", color="tab:blue", linewidth=1)
+        ax.plot(*zip(*per_step, strict=False), label="train loss (step)", color="tab:blue", linewidth=1)
     if logged and not per_step:
-        ax.plot(*zip(*logged), label="train loss (logged)", color="tab:blue")
+        ax.plot(*zip(*logged, strict=False), label="train loss (logged)", color="tab:blue")
     if evals:
-        ax.plot(*zip(*evals), "o--", label="eval loss", color="tab:green")
+        ax.plot(*zip(*evals, strict=False), "o--", label="eval loss", color="tab:green")
     nonfinite = [s for s, v in per_step or logged if not math.isfinite(v)]
     if nonfinite:
         ax.plot(nonfinite, [ax.get_ylim()[1]] * len(nonfinite), "x", color="tab:red", label="non-finite loss")
@@ -78,7 +78,7 @@ def draw_lr(ax, history: list[dict]) -> bool:
     lr = series(history, "learning_rate")
     if not lr:
         return False
-    ax.plot(*zip(*lr), label="learning rate", color="tab:orange", alpha=0.8)
+    ax.plot(*zip(*lr, strict=False), label="learning rate", color="tab:orange", alpha=0.8)
     ax.set(xlabel="step", ylabel="learning rate")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     return True
@@ -135,9 +135,9 @@ def plot_grad_norms(history: list[dict], events: list[dict], path: Path, max_lin
     if len(groups) <= max_lines:
         fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
         if total:
-            ax.plot(*zip(*total), color="black", linewidth=1.5, label="global")
+            ax.plot(*zip(*total, strict=False), color="black", linewidth=1.5, label="global")
         for g in groups:
-            ax.plot(*zip(*series(history, f"grad/norm/{g}")), linewidth=1, label=g)
+            ax.plot(*zip(*series(history, f"grad/norm/{g}"), strict=False), linewidth=1, label=g)
         ax.set_yscale("log")
         _mark_events(ax, [e for e in events if e["kind"].startswith(("grad_", "nonfinite"))])
         ax.set(xlabel="step", ylabel="grad L2 norm", title="gradient norms (pre-clip when max_grad_norm=0)")
@@ -161,7 +161,7 @@ def plot_grad_norms(history: list[dict], events: list[dict], path: Path, max_lin
         sharex=False,
     )
     if total:
-        ax0.plot(*zip(*total), color="black", linewidth=1.2)
+        ax0.plot(*zip(*total, strict=False), color="black", linewidth=1.2)
         ax0.set_yscale("log")
     ax0.set(
         ylabel="global norm",
@@ -196,13 +196,13 @@ def plot_memory(history: list[dict], path: Path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3), dpi=100)
     for k in keys:
-        ax.plot(*zip(*series(history, k)), label=k.split("/")[1].replace("_gib", ""))
+        ax.plot(*zip(*series(history, k), strict=False), label=k.split("/")[1].replace("_gib", ""))
     ax.set(xlabel="step", ylabel="GiB", title="memory")
     ax.grid(alpha=0.3)
     frag = series(history, "mem/fragmentation")
     if frag:
         ax2 = ax.twinx()
-        ax2.plot(*zip(*frag), color="tab:gray", linestyle="--", label="fragmentation")
+        ax2.plot(*zip(*frag, strict=False), color="tab:gray", linestyle="--", label="fragmentation")
         ax2.set_ylabel("fragmentation")
         ax2.set_ylim(0, 1)
     ax.legend(fontsize=7, loc="upper left")

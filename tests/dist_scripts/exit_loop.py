@@ -37,16 +37,23 @@ def rank_codes(probe: Path) -> dict[int, int]:
 
 def run_once(out: Path, preempt: bool, timeout: int) -> tuple[int, str, float]:
     args = recipe_args(out, steps=6, n_train=96) + ["--training.use_cpu", "true"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "MPLBACKEND": "Agg",
+    }
     script = RECIPE
     if preempt:  # the probe launcher runs finetune.py unchanged and sends rank 1 SIGTERM at the end of step 2
         script = PROBE
         env.update(HF_STABLE_FAULT="sigterm:2:1", HF_STABLE_PROBE_DIR=str(out.parent / "probe"))
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(script), *args]
     start = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -77,8 +84,10 @@ def main() -> None:
             print(output[-4000:], flush=True)
         shutil.rmtree(work, ignore_errors=True)
     good = codes[expected]
-    print(f"\n{good}/{opts.runs} runs exited {expected}{' on both ranks' if opts.preempt else ''}; "
-          f"exit codes: {dict(codes)}")
+    print(
+        f"\n{good}/{opts.runs} runs exited {expected}{' on both ranks' if opts.preempt else ''}; "
+        f"exit codes: {dict(codes)}"
+    )
     sys.exit(0 if good == opts.runs else 1)
 
 

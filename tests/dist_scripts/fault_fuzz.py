@@ -54,8 +54,9 @@ def plan(seed: int, steps: int) -> list[tuple[int, str, int | str]]:
     if seed == 0:
         return list(ISSUE_13)
     rng = random.Random(seed)
-    faults = [(rng.randint(1, steps), rng.choice(KINDS), rng.choice([0, 1, 1, "both"]))
-              for _ in range(rng.randint(2, 4))]
+    faults = [
+        (rng.randint(1, steps), rng.choice(KINDS), rng.choice([0, 1, 1, "both"])) for _ in range(rng.randint(2, 4))
+    ]
     if rng.random() < 0.5:  # the same rank again a few steps later: inside every cooldown
         step, _, who = rng.choice(faults)
         faults.append((min(steps, step + rng.randint(1, 6)), rng.choice(KINDS), who))
@@ -138,18 +139,28 @@ def run_seed(seed: int, steps: int, out: Path, rank: int) -> dict:
     faults = plan(seed, steps)
     model = tiny_lora_llama(seed=0)
     injector = FaultInjector(model, faults, seed, rank)
-    args = training_args(out / f"seed{seed}", max_steps=steps, per_device_train_batch_size=2, logging_steps=5,
-                         ddp_timeout=60)
+    args = training_args(
+        out / f"seed{seed}", max_steps=steps, per_device_train_batch_size=2, logging_steps=5, ddp_timeout=60
+    )
     callbacks = [injector, *build_callbacks(RunConfig(), args)]
-    trainer = StableTrainer(model=model, args=args, train_dataset=token_data(4 * steps, seed=seed + 1),
-                            callbacks=callbacks)
+    trainer = StableTrainer(
+        model=model, args=args, train_dataset=token_data(4 * steps, seed=seed + 1), callbacks=callbacks
+    )
     start = time.perf_counter()
     trainer.train()
     digest, finite = weights_digest(model)
     ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StabilityCallback)]
     events = {cb.state_key: [{k: v for k, v in e.items() if k != "time"} for e in cb.events] for cb in ours}
-    return {"seed": seed, "rank": rank, "faults": faults, "steps": trainer.state.global_step, "finite": finite,
-            "weights": digest, "events": events, "seconds": round(time.perf_counter() - start, 2)}
+    return {
+        "seed": seed,
+        "rank": rank,
+        "faults": faults,
+        "steps": trainer.state.global_step,
+        "finite": finite,
+        "weights": digest,
+        "events": events,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
 
 
 def main() -> None:
@@ -178,9 +189,12 @@ def main() -> None:
             failures += not ok
             if rank == 0:  # on stderr: the test shows it when the launch fails
                 kinds = sum(len(v) for v in record["events"].values())
-                print(f"seed {seed}: {'ok' if ok else 'FAILED'} (faults {record['faults']}, {kinds} events, "
-                      f"finite {record['finite']}/{other['finite']}, ranks identical {same}, {record['seconds']}s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"seed {seed}: {'ok' if ok else 'FAILED'} (faults {record['faults']}, {kinds} events, "
+                    f"finite {record['finite']}/{other['finite']}, ranks identical {same}, {record['seconds']}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if rank == 0:
         print(f"{opts.seeds - failures}/{opts.seeds} seeds ok", file=sys.stderr, flush=True)
     shutdown()

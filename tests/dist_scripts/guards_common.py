@@ -25,8 +25,15 @@ TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 def tiny_lora_llama(seed: int = 0, layers: int = 2, hidden: int = 32, lora: bool = True):
     """A from-config Llama (hidden 32, 2 layers) with a rank-4 LoRA adapter; the same weights for the same seed."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config)
     if not lora:
         return model
@@ -52,10 +59,22 @@ def token_data(n: int = 64, length: int = 16, seed: int = 1, masked: bool = True
 
 
 def training_args(out, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=12, learning_rate=1e-3,
-                logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
-                max_grad_norm=0.0, lr_scheduler_type="constant", dataloader_num_workers=0,
-                ddp_find_unused_parameters=False)
+    base = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 4,
+        "max_steps": 12,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "seed": 0,
+        "max_grad_norm": 0.0,
+        "lr_scheduler_type": "constant",
+        "dataloader_num_workers": 0,
+        "ddp_find_unused_parameters": False,
+    }
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -159,10 +178,10 @@ def states_equal(a: dict, b: dict) -> bool:
     """Bitwise equality of two optimizer `state_dict()["state"]` mappings."""
     if set(a) != set(b):
         return False
-    for idx in a:
-        if set(a[idx]) != set(b[idx]):
+    for idx, entry in a.items():
+        if set(entry) != set(b[idx]):
             return False
-        for key, value in a[idx].items():
+        for key, value in entry.items():
             other = b[idx][key]
             if isinstance(value, torch.Tensor):
                 if not torch.equal(value, other):

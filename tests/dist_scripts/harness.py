@@ -56,17 +56,41 @@ def recipe_args(out: Path, *, steps: int = 8, n_train: int = 64, save_steps: int
     """scripts/finetune.py arguments for a tiny run writing into `out`."""
     train, held = data_files(n_train)
     args = [
-        "--model.name_or_path", "embedded:tiny-llama",
-        "--model.embedded.hidden_size", "64", "--model.embedded.intermediate_size", "128",
-        "--model.embedded.num_hidden_layers", "2", "--model.embedded.vocab_size", "512",
-        "--model.embedded.pretrain_steps", "20", "--model.embedded.pretrain_batch_size", "8",
-        "--model.embedded.cache_dir", str(session_dir() / "bases"),
-        "--data.train_file", str(train), "--data.eval_file", str(held),
-        "--evaluation.before", "false", "--evaluation.exact_match_samples", "0",
-        "--training.max_steps", str(steps), "--training.logging_steps", "2",
-        "--training.per_device_train_batch_size", "8", "--training.dataloader_num_workers", "0",
-        "--training.output_dir", str(out),
-    ]  # fmt: skip
+        "--model.name_or_path",
+        "embedded:tiny-llama",
+        "--model.embedded.hidden_size",
+        "64",
+        "--model.embedded.intermediate_size",
+        "128",
+        "--model.embedded.num_hidden_layers",
+        "2",
+        "--model.embedded.vocab_size",
+        "512",
+        "--model.embedded.pretrain_steps",
+        "20",
+        "--model.embedded.pretrain_batch_size",
+        "8",
+        "--model.embedded.cache_dir",
+        str(session_dir() / "bases"),
+        "--data.train_file",
+        str(train),
+        "--data.eval_file",
+        str(held),
+        "--evaluation.before",
+        "false",
+        "--evaluation.exact_match_samples",
+        "0",
+        "--training.max_steps",
+        str(steps),
+        "--training.logging_steps",
+        "2",
+        "--training.per_device_train_batch_size",
+        "8",
+        "--training.dataloader_num_workers",
+        "0",
+        "--training.output_dir",
+        str(out),
+    ]
     if save_steps:
         args += ["--training.save_strategy", "steps", "--training.save_steps", str(save_steps)]
     return args
@@ -149,7 +173,9 @@ class Launched:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 output = self.wait(timeout=30).output if self.proc.poll() is not None else ""
                 self.kill()
-                raise AssertionError(f"no {count} x {pattern} in {self.probe} ({' '.join(self.cmd)}):\n{output[-6000:]}")
+                raise AssertionError(
+                    f"no {count} x {pattern} in {self.probe} ({' '.join(self.cmd)}):\n{output[-6000:]}"
+                )
             time.sleep(0.2)
 
     def kill(self) -> None:
@@ -165,7 +191,9 @@ class Launched:
         except subprocess.TimeoutExpired:
             self.kill()
             stdout, stderr = self.proc.communicate()
-            raise AssertionError(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{(stdout + stderr)[-6000:]}") from None
+            raise AssertionError(
+                f"timed out after {timeout}s: {' '.join(self.cmd)}\n{(stdout + stderr)[-6000:]}"
+            ) from None
         return Run(self.proc.returncode, stdout + stderr, self.out, self.probe, stderr=stderr)
 
 

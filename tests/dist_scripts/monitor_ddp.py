@@ -45,27 +45,49 @@ def main(out: str) -> None:
     # A hang (a collective one rank skipped) must end with stack traces, not an orphaned process.
     faulthandler.dump_traceback_later(int(os.environ.get("MONITOR_DDP_TIMEOUT", "200")), exit=True)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": (ids := torch.randint(0, 256, (16,), generator=g)), "labels": ids.clone()}
-            for _ in range(64)]
+    data = [
+        {"input_ids": (ids := torch.randint(0, 256, (16,), generator=g)), "labels": ids.clone()} for _ in range(64)
+    ]
     cfg = MonitorsConfig()
     cfg.update.every_n_steps = 1
     cfg.memory.every_n_steps = 1
     monitors = build_monitors(cfg)
     args = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=2, max_steps=5, logging_steps=1, report_to=[], use_cpu=True,
-        save_strategy="no", disable_tqdm=True, max_grad_norm=0.0, learning_rate=1e-3, seed=0,
-        ddp_find_unused_parameters=False, dataloader_num_workers=0,
+        output_dir=out,
+        per_device_train_batch_size=2,
+        max_steps=5,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_grad_norm=0.0,
+        learning_rate=1e-3,
+        seed=0,
+        ddp_find_unused_parameters=False,
+        dataloader_num_workers=0,
     )
     target = dict(model.named_parameters())[POISONED]
-    trainer = Trainer(model=model, args=args, train_dataset=data,
-                      callbacks=[*monitors, PoisonOnRank(target, rank=1, at_step=3)])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[*monitors, PoisonOnRank(target, rank=1, at_step=3)]
+    )
     trainer.train()
-    history = [{k: v for k, v in h.items() if k == "step" or k.startswith(PREFIXES) or k == "loss"}
-               for h in trainer.state.log_history if any(k.startswith(PREFIXES) for k in h)]
+    history = [
+        {k: v for k, v in h.items() if k == "step" or k.startswith(PREFIXES) or k == "loss"}
+        for h in trainer.state.log_history
+        if any(k.startswith(PREFIXES) for k in h)
+    ]
     events = [{k: v for k, v in e.items() if k != "time"} for cb in monitors for e in cb.events]
     result = {"world_size": args.world_size, "history": history, "events": events}
     Path(out, f"rank{args.process_index}.json").write_text(json.dumps(result, default=str))

@@ -89,13 +89,13 @@ class AccumulationControl(StabilityCallback):
         total = 0
         for step in range(start, end):
             ratio = math.prod(fn(step) for fn in self._plans.values()) if self._plans else 1.0
-            total += max(1, min(self.target, int(round(self.target * ratio))))
+            total += max(1, min(self.target, round(self.target * ratio)))
         return total
 
     @property
     def desired(self) -> int:
         value = self.target * math.prod(self._requests.values()) if self._requests else self.target
-        return max(1, min(self.target, int(round(value))))
+        return max(1, min(self.target, round(value)))
 
     @property
     def current(self) -> int | None:
@@ -143,10 +143,16 @@ class AccumulationControl(StabilityCallback):
         self.history.append((step + 1, value))
         self.record({"batch/accumulation": float(value)})
         if old is not None and old != value:
-            self.event(step, "accumulation_changed",
-                       f"gradient accumulation {old} -> {value} from step {step + 1} (target {self.target}; "
-                       f"requests {self._requests or 'none'}); LR factor {self.lr_control.factor('accumulation'):.3g}",
-                       value=value, threshold=self.target, severity="info", previous=old)
+            self.event(
+                step,
+                "accumulation_changed",
+                f"gradient accumulation {old} -> {value} from step {step + 1} (target {self.target}; "
+                f"requests {self._requests or 'none'}); LR factor {self.lr_control.factor('accumulation'):.3g}",
+                value=value,
+                threshold=self.target,
+                severity="info",
+                previous=old,
+            )
 
     @staticmethod
     def _consumed(state, train_dataloader) -> int | None:
@@ -170,12 +176,18 @@ class AccumulationControl(StabilityCallback):
         self._start_accumulation = args.gradient_accumulation_steps
         self._off = (sharded_training(args) or "").startswith("DeepSpeed")
         if self._off:
-            self.event(state.global_step, "guard_off", "accumulation control is off under DeepSpeed (its engine owns "
-                       "gradient accumulation)", severity="info")
+            self.event(
+                state.global_step,
+                "guard_off",
+                "accumulation control is off under DeepSpeed (its engine owns gradient accumulation)",
+                severity="info",
+            )
             return
         if args.max_steps is None or args.max_steps <= 0:
-            raise ConfigError("training.max_steps: batch warmup / the thermal guard change gradient accumulation "
-                              "during the run and need a fixed number of optimizer steps; set training.max_steps > 0")
+            raise ConfigError(
+                "training.max_steps: batch warmup / the thermal guard change gradient accumulation "
+                "during the run and need a fixed number of optimizer steps; set training.max_steps > 0"
+            )
         if state.global_step == 0:
             self._micro_batches = 0
             self._check_capacity(args, kwargs.get("train_dataloader"))

@@ -128,7 +128,7 @@ class ClipGuard(StabilityCallback):
 
     def _apply(self, dev, coefs: dict[str, float]) -> None:
         by_group: dict[int, list[torch.Tensor]] = {}
-        for p, gi in zip(dev.params, dev.group_ids):
+        for p, gi in zip(dev.params, dev.group_ids, strict=False):
             if p.grad is not None:
                 by_group.setdefault(gi, []).append(p.grad)
         for gi, grads in by_group.items():
@@ -143,8 +143,9 @@ class ClipGuard(StabilityCallback):
                 if g is None:
                     continue
                 dims = tuple(range(1, g.dim())) if g.dim() > 1 else None
-                w_norm = (p.detach().float().norm(dim=dims, keepdim=True) if dims
-                          else p.detach().float().norm()).clamp_min(self.agc_eps)
+                w_norm = (
+                    p.detach().float().norm(dim=dims, keepdim=True) if dims else p.detach().float().norm()
+                ).clamp_min(self.agc_eps)
                 g_norm = g.float().norm(dim=dims, keepdim=True) if dims else g.float().norm()
                 limit = self.agc_lambda * w_norm
                 factor = torch.where(g_norm > limit, limit / g_norm.clamp_min(1e-12), torch.ones_like(g_norm))
@@ -158,12 +159,21 @@ class ClipGuard(StabilityCallback):
         reason = sharded_training(args)
         self._off = reason is not None
         if self._off:
-            self.event(state.global_step, "guard_off", f"ClipGuard is off: {reason}; use the engine's own clipping "
-                       "(DeepSpeed gradient_clipping, TrainingArguments.max_grad_norm under FSDP)", severity="info")
+            self.event(
+                state.global_step,
+                "guard_off",
+                f"ClipGuard is off: {reason}; use the engine's own clipping "
+                "(DeepSpeed gradient_clipping, TrainingArguments.max_grad_norm under FSDP)",
+                severity="info",
+            )
         elif args.max_grad_norm and args.max_grad_norm > 0:
-            self.event(state.global_step, "guard_notice",
-                       f"TrainingArguments.max_grad_norm={args.max_grad_norm} clips before this guard: gradients are "
-                       "clipped twice and the statistics are post-clip; set max_grad_norm=0", severity="warning")
+            self.event(
+                state.global_step,
+                "guard_notice",
+                f"TrainingArguments.max_grad_norm={args.max_grad_norm} clips before this guard: gradients are "
+                "clipped twice and the statistics are post-clip; set max_grad_norm=0",
+                severity="warning",
+            )
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if not self.enabled or self._off or model is None:
@@ -193,5 +203,11 @@ class ClipGuard(StabilityCallback):
         self.last_coefficients = coefs
         self._clipped_steps += bool(clipped)
         after = math.sqrt(sum((coefs[g] * n) ** 2 for g, n in report.group_norms.items() if math.isfinite(n)))
-        self.record({"clip/coef_min": min(coefs.values(), default=1.0), "clip/groups_clipped": float(len(clipped)),
-                     "clip/norm_after": after, "clip/steps_clipped": float(self._clipped_steps)})
+        self.record(
+            {
+                "clip/coef_min": min(coefs.values(), default=1.0),
+                "clip/groups_clipped": float(len(clipped)),
+                "clip/norm_after": after,
+                "clip/steps_clipped": float(self._clipped_steps),
+            }
+        )

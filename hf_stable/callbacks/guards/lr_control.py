@@ -89,13 +89,19 @@ class LRControl(StabilityCallback):
     def _apply(self) -> None:
         groups = self._optimizer.param_groups
         product = self.product if self.enabled else 1.0
-        for group, lr in zip(groups, self._scheduler_lrs):
+        for group, lr in zip(groups, self._scheduler_lrs, strict=False):
             group["lr"] = lr * product
         if self.enabled and self._scheduler_lrs:
             # recorded on every (re)application, so a factor set later in the step is what the log shows
             applied = groups[0]["lr"]
-            self.record({"lr/factor": self.product, "lr/effective": applied, "learning_rate": applied,
-                         "lr/scheduled": self._scheduler_lrs[0]})
+            self.record(
+                {
+                    "lr/factor": self.product,
+                    "lr/effective": applied,
+                    "learning_rate": applied,
+                    "lr/scheduled": self._scheduler_lrs[0],
+                }
+            )
             self._named |= set(self._factors)
             # a factor back at 1.0 is logged as 1.0 (not left at its last value in a multi-step log line)
             self.record({f"lr/factor/{name}": self._factors.get(name, 1.0) for name in sorted(self._named)})
@@ -110,6 +116,6 @@ class LRControl(StabilityCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self._scheduler_lrs is None:
             return
-        for group, lr in zip(self._optimizer.param_groups, self._scheduler_lrs):
+        for group, lr in zip(self._optimizer.param_groups, self._scheduler_lrs, strict=False):
             group["lr"] = lr
         self._scheduler_lrs = None

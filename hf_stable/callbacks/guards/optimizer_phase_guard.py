@@ -72,8 +72,12 @@ class OptimizerPhaseGuard(StepTapUser, StabilityCallback):
         if cfg.until_step is not None and step >= cfg.until_step:
             return True
         warm = self._seen >= int(1 / (1 - self.dloss_ema_beta))
-        return (cfg.until_dloss_below is not None and warm and self._dloss_ema is not None
-                and self._dloss_ema < cfg.until_dloss_below)
+        return (
+            cfg.until_dloss_below is not None
+            and warm
+            and self._dloss_ema is not None
+            and self._dloss_ema < cfg.until_dloss_below
+        )
 
     def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
         super().on_train_begin(args, state, control, optimizer=optimizer, model=model, **kwargs)
@@ -103,11 +107,20 @@ class OptimizerPhaseGuard(StepTapUser, StabilityCallback):
             old = opt.names[opt.phase]
             opt.switch(opt.phase + 1)
             self.lr_control.set_factor("phase", self.phases[opt.phase].lr_scale)
-            why = (f"step {state.global_step} reached" if self.phases[opt.phase - 1].until_step is not None
-                   and state.global_step >= self.phases[opt.phase - 1].until_step
-                   else f"|dloss| EMA {self._dloss_ema:.3g} below {self.phases[opt.phase - 1].until_dloss_below:g}")
-            self.event(state.global_step, "optimizer_switch",
-                       f"optimizer {old} -> {opt.names[opt.phase]} after step {state.global_step} ({why}); state "
-                       f"policy {opt.state_policy}; LR factor {self.phases[opt.phase].lr_scale:g}",
-                       value=opt.phase, severity="info", previous=old, current=opt.names[opt.phase])
+            why = (
+                f"step {state.global_step} reached"
+                if self.phases[opt.phase - 1].until_step is not None
+                and state.global_step >= self.phases[opt.phase - 1].until_step
+                else f"|dloss| EMA {self._dloss_ema:.3g} below {self.phases[opt.phase - 1].until_dloss_below:g}"
+            )
+            self.event(
+                state.global_step,
+                "optimizer_switch",
+                f"optimizer {old} -> {opt.names[opt.phase]} after step {state.global_step} ({why}); state "
+                f"policy {opt.state_policy}; LR factor {self.phases[opt.phase].lr_scale:g}",
+                value=opt.phase,
+                severity="info",
+                previous=old,
+                current=opt.names[opt.phase],
+            )
         super().on_step_end(args, state, control, **kwargs)

@@ -40,7 +40,12 @@ class QKClipCallback(StabilityCallback):
     """
 
     def __init__(
-        self, config: AttentionConfig | None = None, *, probe: LogitProbe | None = None, enabled: bool = True, **overrides
+        self,
+        config: AttentionConfig | None = None,
+        *,
+        probe: LogitProbe | None = None,
+        enabled: bool = True,
+        **overrides,
     ):
         super().__init__(enabled=enabled)
         cfg = self.config = config_from(AttentionConfig, config, overrides)

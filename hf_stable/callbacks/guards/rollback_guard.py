@@ -88,8 +88,13 @@ class RollbackGuard(StabilityCallback):
 
     # --- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"bad": list(self._bad), "good_since": self._good_since, "rollbacks": self._rollbacks,
-                "repeats": self._repeats, "held_said": self._held_said}
+        return {
+            "bad": list(self._bad),
+            "good_since": self._good_since,
+            "rollbacks": self._rollbacks,
+            "repeats": self._repeats,
+            "held_said": self._held_said,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._bad = deque(int(s) for s in state.get("bad", []))
@@ -137,17 +142,26 @@ class RollbackGuard(StabilityCallback):
         size = snapshot_size(optimizer)
         plan = plan_storage(size, self.storage, self.verify, args.output_dir, self.host_memory_share)
         # every rank must store (and verify) alike: the probe is a collective
-        flags = agree([float(bool(plan.error)), float(plan.storage == "disk"), float(not plan.verify)],
-                      collective_device(args))
+        flags = agree(
+            [float(bool(plan.error)), float(plan.storage == "disk"), float(not plan.verify)], collective_device(args)
+        )
         if flags[0]:
             raise ConfigError([f"stability.guards.rollback.storage: {plan.error or 'does not fit on another rank'}"])
         storage, verify = ("disk" if flags[1] else "memory"), not flags[2]
         self._store = SnapshotStore(storage, Path(args.output_dir) / "hf_stable_rollback" / f"rank{rank_of(args)}.pt")
         self._plan = (storage, verify and self.verify)
         if plan.note or storage != self.storage:
-            self.event(step, "guard_notice", plan.note or f"another rank's snapshots do not fit in host memory: "
-                       f"rollback snapshots go to disk on every rank ({size.describe()})", severity="warning",
-                       storage=storage, snapshot_bytes=size.snapshot, verify=self._plan[1])
+            self.event(
+                step,
+                "guard_notice",
+                plan.note
+                or f"another rank's snapshots do not fit in host memory: "
+                f"rollback snapshots go to disk on every rank ({size.describe()})",
+                severity="warning",
+                storage=storage,
+                snapshot_bytes=size.snapshot,
+                verify=self._plan[1],
+            )
 
     # --- Trainer hooks ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -179,17 +193,26 @@ class RollbackGuard(StabilityCallback):
             self._bad.clear()
             if not self._held_said:
                 self._held_said = True
-                self.event(step, "rollback_held",
-                           f"{self.bad_steps} more bad steps right after the rollback, none applied since: the "
-                           f"weights are still the snapshot of step {snap_step}; skipping them without "
-                           "another LR backoff (a burst of bad data, not the LR)", value=snap_step,
-                           threshold=self.bad_steps, severity="warning")
+                self.event(
+                    step,
+                    "rollback_held",
+                    f"{self.bad_steps} more bad steps right after the rollback, none applied since: the "
+                    f"weights are still the snapshot of step {snap_step}; skipping them without "
+                    "another LR backoff (a burst of bad data, not the LR)",
+                    value=snap_step,
+                    threshold=self.bad_steps,
+                    severity="warning",
+                )
             return
         if self._rollbacks >= self.max_rollbacks:
             if not self._exhausted_said:
                 self._exhausted_said = True
-                self.event(step, "rollback_exhausted", f"{self._rollbacks} rollbacks done (max_rollbacks); "
-                           "bad steps are only skipped from now on", severity="error")
+                self.event(
+                    step,
+                    "rollback_exhausted",
+                    f"{self._rollbacks} rollbacks done (max_rollbacks); bad steps are only skipped from now on",
+                    severity="error",
+                )
             return
         checked = "not checked"
         if self._plan[1] and model is not None and not self._store.empty:
@@ -199,20 +222,31 @@ class RollbackGuard(StabilityCallback):
             recent = None
             if probes is not None and not probes[0].finite and probes[1].finite:  # agreed values: all ranks enter
                 recent = probe_inputs(model, optimizer_params(optimizer), self._good_inputs, args)
-            damaged = None if probes is None else weights_damaged(
-                verdict.grad_norm, verdict.loss, *probes, judge=self.skip_guard.judge_with(saved), recent=recent)
+            damaged = (
+                None
+                if probes is None
+                else weights_damaged(
+                    verdict.grad_norm, verdict.loss, *probes, judge=self.skip_guard.judge_with(saved), recent=recent
+                )
+            )
             del snapshot
             if damaged is False:
                 self._bad.clear()
                 self.skip_guard.after_bad_data()
                 now, snap = probes
-                self.event(step, "rollback_declined",
-                           f"{self.bad_steps} bad steps within {self.window}, but the weights are not the cause: "
-                           f"re-run now {now}, at the snapshot's weights (step {snap_step}) {snap} - "
-                           "the batch is as bad there, or the fault does not reproduce. Bad data: every bad step "
-                           "was skipped, nothing to undo, LR unchanged",
-                           value=snap_step, threshold=self.bad_steps, severity="warning",
-                           grad_norm_now=now.grad_norm, grad_norm_snapshot=snap.grad_norm)
+                self.event(
+                    step,
+                    "rollback_declined",
+                    f"{self.bad_steps} bad steps within {self.window}, but the weights are not the cause: "
+                    f"re-run now {now}, at the snapshot's weights (step {snap_step}) {snap} - "
+                    "the batch is as bad there, or the fault does not reproduce. Bad data: every bad step "
+                    "was skipped, nothing to undo, LR unchanged",
+                    value=snap_step,
+                    threshold=self.bad_steps,
+                    severity="warning",
+                    grad_norm_now=now.grad_norm,
+                    grad_norm_snapshot=snap.grad_norm,
+                )
                 return
             checked = "damaged weights" if damaged else "inconclusive"
         snap_step, with_state = self.restore(optimizer)
@@ -227,12 +261,20 @@ class RollbackGuard(StabilityCallback):
         self._rolled_back_at = step
         note = "" if with_state else " (optimizer changed since the snapshot: its state was reset)"
         escalated = " (escalated: diverged again after recovering at the lower LR)" if self._repeats > 1 else ""
-        self.event(step, "rollback",
-                   f"{self.bad_steps} bad steps within {self.window}: restored the snapshot of step {snap_step} "
-                   f"(undoing steps {snap_step + 1}-{step}){note}; LR x{backoff:.4g}"
-                   f"{escalated}, factor now {factor:.4g}",
-                   value=snap_step, threshold=self.bad_steps, severity="error", lr_factor=factor,
-                   backoff=backoff, rollbacks=self._rollbacks, check=checked)
+        self.event(
+            step,
+            "rollback",
+            f"{self.bad_steps} bad steps within {self.window}: restored the snapshot of step {snap_step} "
+            f"(undoing steps {snap_step + 1}-{step}){note}; LR x{backoff:.4g}"
+            f"{escalated}, factor now {factor:.4g}",
+            value=snap_step,
+            threshold=self.bad_steps,
+            severity="error",
+            lr_factor=factor,
+            backoff=backoff,
+            rollbacks=self._rollbacks,
+            check=checked,
+        )
         self.record({"guard/rollbacks": float(self._rollbacks)})
 
     def on_step_end(self, args, state, control, optimizer=None, model=None, **kwargs):

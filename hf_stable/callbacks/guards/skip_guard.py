@@ -82,9 +82,15 @@ class SkipGuard(StepTapUser, StabilityCallback):
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:
         """The spike references only (what a rollback restores)."""
-        return {"norm_ema": self._norm_ema, "accepted": self._accepted, "losses": list(self._losses),
-                "spike_streak": self._spike_streak, "loss_fast": self._loss_fast, "loss_mid": self._loss_mid,
-                "mid_hist": list(self._mid_hist)}
+        return {
+            "norm_ema": self._norm_ema,
+            "accepted": self._accepted,
+            "losses": list(self._losses),
+            "spike_streak": self._spike_streak,
+            "loss_fast": self._loss_fast,
+            "loss_mid": self._loss_mid,
+            "mid_hist": list(self._mid_hist),
+        }
 
     def load_stats_state(self, state: dict) -> None:
         ema = state.get("norm_ema")
@@ -97,8 +103,11 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self._mid_hist = deque((float(x) for x in state.get("mid_hist", [])), maxlen=self.window)
 
     def state_dict(self) -> dict:
-        return {**self.stats_state(), "skipped_total": self._skipped_total,
-                "skipped_steps": list(self._skipped_steps)[-200:]}
+        return {
+            **self.stats_state(),
+            "skipped_total": self._skipped_total,
+            "skipped_steps": list(self._skipped_steps)[-200:],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.load_stats_state(state)
@@ -135,24 +144,35 @@ class SkipGuard(StepTapUser, StabilityCallback):
     # --- decisions (pure, host numbers) -----------------------------------------------------------------
     def local_flags(self, grad_norm: float, loss: float | None, nonfinite_grads: bool = False) -> list[float]:
         """[nonfinite, grad_spike, loss_spike, loss_rise] as 0/1 from this rank's numbers (no state change)."""
-        bad = self.nonfinite and (nonfinite_grads or not math.isfinite(grad_norm)
-                                  or (loss is not None and not math.isfinite(loss)))
+        bad = self.nonfinite and (
+            nonfinite_grads or not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss))
+        )
         if bad:
             return [1.0, 0.0, 0.0, 0.0]
         warm = self._accepted >= self.warmup_steps
         grad_spike = math.isfinite(grad_norm) and (
             (self.grad_norm_max is not None and grad_norm > self.grad_norm_max)
-            or (warm and self.grad_spike_ratio is not None and self._norm_ema is not None
-                and grad_norm > self.grad_spike_ratio * self._norm_ema)
+            or (
+                warm
+                and self.grad_spike_ratio is not None
+                and self._norm_ema is not None
+                and grad_norm > self.grad_spike_ratio * self._norm_ema
+            )
         )
         loss_spike = False
         if warm and loss is not None and self.loss_spike_zscore is not None and len(self._losses) >= 3:
             median = sorted(self._losses)[len(self._losses) // 2]
-            loss_spike = (robust_zscore(loss, list(self._losses)) > self.loss_spike_zscore
-                          and loss > median * (1 + self.loss_spike_min_rel))
+            loss_spike = robust_zscore(loss, list(self._losses)) > self.loss_spike_zscore and loss > median * (
+                1 + self.loss_spike_min_rel
+            )
         loss_rise = False
-        if (warm and loss is not None and self.loss_rise_rel is not None and self._mid_hist
-                and not (loss_spike or grad_spike)):  # a spike is judged as a spike, not as a trend
+        if (
+            warm
+            and loss is not None
+            and self.loss_rise_rel is not None
+            and self._mid_hist
+            and not (loss_spike or grad_spike)
+        ):  # a spike is judged as a spike, not as a trend
             loss_rise = self._fast_with(loss) > min(self._mid_hist) * (1 + self.loss_rise_rel)
         return [0.0, float(grad_spike), float(loss_spike), float(loss_rise)]
 
@@ -214,23 +234,33 @@ class SkipGuard(StepTapUser, StabilityCallback):
 
     def decide(self, step: int, flags: list[float], grad_norm: float, loss: float | None) -> StepVerdict:
         """Turn agreed flags into a verdict, update the references and counters, write the event."""
-        reasons = [r for r, f in zip(REASONS, flags) if f]
+        reasons = [r for r, f in zip(REASONS, flags, strict=False) if f]
         if reasons and not {"nonfinite", "rank_mismatch"} & set(reasons):  # spikes only: those can be a new normal
             self._spike_streak += 1
             if self._spike_streak > self.max_consecutive_skips:
                 # A level that persists this long is the new normal (e.g. a data shift), not a spike: accept it
                 # and start the references afresh from here, instead of skipping forever.
-                self.event(step, "skip_reference_reset",
-                           f"{self._spike_streak - 1} consecutive spike skips: accepting step {step} and "
-                           f"re-learning the spike references from it", severity="warning", reasons=reasons)
+                self.event(
+                    step,
+                    "skip_reference_reset",
+                    f"{self._spike_streak - 1} consecutive spike skips: accepting step {step} and "
+                    f"re-learning the spike references from it",
+                    severity="warning",
+                    reasons=reasons,
+                )
                 reasons = []
                 self._norm_ema, self._losses, self._spike_streak = None, deque(maxlen=self.window), 0
                 self._loss_fast = self._loss_mid = None
                 self._mid_hist = deque(maxlen=self.window)
         else:
             self._spike_streak = 0
-        verdict = StepVerdict(step=step, skip=bool(reasons), reasons=reasons, grad_norm=grad_norm,
-                              loss=math.nan if loss is None else loss)
+        verdict = StepVerdict(
+            step=step,
+            skip=bool(reasons),
+            reasons=reasons,
+            grad_norm=grad_norm,
+            loss=math.nan if loss is None else loss,
+        )
         if loss is not None and math.isfinite(loss) and not {"nonfinite", "loss_spike", "grad_spike"} & set(reasons):
             # the trend follows every plausible loss (a rising one too), but not isolated spikes
             self._loss_fast = self._fast_with(loss)
@@ -241,10 +271,16 @@ class SkipGuard(StepTapUser, StabilityCallback):
             self._skipped_steps.append(step)
             loss_txt = "n/a" if loss is None else f"{loss:.4g}"
             ref = "n/a" if self._norm_ema is None else f"{self._norm_ema:.4g}"
-            self.event(step, "step_skipped",
-                       f"step {step} skipped on every rank ({', '.join(reasons)}): grad norm {grad_norm:.4g} "
-                       f"(EMA {ref}), loss {loss_txt}; optimizer state untouched",
-                       value=grad_norm, severity="warning", reasons=reasons, loss=verdict.loss)
+            self.event(
+                step,
+                "step_skipped",
+                f"step {step} skipped on every rank ({', '.join(reasons)}): grad norm {grad_norm:.4g} "
+                f"(EMA {ref}), loss {loss_txt}; optimizer state untouched",
+                value=grad_norm,
+                severity="warning",
+                reasons=reasons,
+                loss=verdict.loss,
+            )
         self.record({"guard/skipped": float(verdict.skip), "guard/skipped_total": float(self._skipped_total)})
         self.last_verdict = verdict
         return verdict

@@ -77,10 +77,15 @@ class SNRGuard(StabilityCallback):
             if new != old:
                 self._adjustments += 1
                 self.lr_control.set_factor("snr", new)
-                self.event(step, "lr_adjusted",
-                           f"grad norm {ratio:.3g}x its EMA: SNR LR factor {old:.3g} -> {new:.3g}",
-                           value=ratio, threshold=self.high_ratio if ratio > 1 else self.low_ratio,
-                           severity="info", factor=new)
+                self.event(
+                    step,
+                    "lr_adjusted",
+                    f"grad norm {ratio:.3g}x its EMA: SNR LR factor {old:.3g} -> {new:.3g}",
+                    value=ratio,
+                    threshold=self.high_ratio if ratio > 1 else self.low_ratio,
+                    severity="info",
+                    factor=new,
+                )
         b = self.ema_beta
         self._ema = grad_norm if self._ema is None else b * self._ema + (1 - b) * grad_norm
         return ratio

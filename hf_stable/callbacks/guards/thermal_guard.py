@@ -88,14 +88,26 @@ class ThermalGuard(StabilityCallback):
         if not self._hot and temperature >= self.hot_c:
             self._hot = True
             self.accumulation.request("thermal", self.hot_ratio)
-            self.event(step, "thermal_throttle", f"GPU at {temperature:.0f} C >= {self.hot_c:g} C: accumulation x "
-                       f"{self.hot_ratio:g} with the LR scaled alike until below {self.cool_c:g} C",
-                       value=temperature, threshold=self.hot_c, severity="warning")
+            self.event(
+                step,
+                "thermal_throttle",
+                f"GPU at {temperature:.0f} C >= {self.hot_c:g} C: accumulation x "
+                f"{self.hot_ratio:g} with the LR scaled alike until below {self.cool_c:g} C",
+                value=temperature,
+                threshold=self.hot_c,
+                severity="warning",
+            )
         elif self._hot and temperature < self.cool_c:
             self._hot = False
             self.accumulation.request("thermal", 1.0)
-            self.event(step, "thermal_restore", f"GPU at {temperature:.0f} C < {self.cool_c:g} C: full accumulation "
-                       "and LR restored", value=temperature, threshold=self.cool_c, severity="info")
+            self.event(
+                step,
+                "thermal_restore",
+                f"GPU at {temperature:.0f} C < {self.cool_c:g} C: full accumulation and LR restored",
+                value=temperature,
+                threshold=self.cool_c,
+                severity="info",
+            )
 
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
@@ -107,8 +119,13 @@ class ThermalGuard(StabilityCallback):
         missing = agree([float(self._reader is None)], self._device)[0]
         if missing:
             self._reader = None
-            self.event(state.global_step, "guard_off", "thermal guard is a no-op: no NVML temperature on every rank "
-                       '(needs CUDA and pip install "hf-stable[nvml]")', severity="info")
+            self.event(
+                state.global_step,
+                "guard_off",
+                "thermal guard is a no-op: no NVML temperature on every rank "
+                '(needs CUDA and pip install "hf-stable[nvml]")',
+                severity="info",
+            )
         if self._hot:  # resumed while hot
             self.accumulation.request("thermal", self.hot_ratio)
 

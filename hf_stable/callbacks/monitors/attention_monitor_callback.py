@@ -49,7 +49,12 @@ class AttentionMonitorCallback(StabilityCallback):
     """
 
     def __init__(
-        self, config: AttentionConfig | None = None, *, probe: LogitProbe | None = None, enabled: bool = True, **overrides
+        self,
+        config: AttentionConfig | None = None,
+        *,
+        probe: LogitProbe | None = None,
+        enabled: bool = True,
+        **overrides,
     ):
         cfg = config_from(AttentionConfig, config, overrides)
         super().__init__(enabled=enabled and cfg.monitor_interval > 0)

@@ -60,14 +60,24 @@ class GradientMonitor(StabilityCallback):
         norm = report.global_norm
         if math.isfinite(norm) and norm > self.explosion_norm:
             events += self._alert(
-                step, "grad_explosion", None, norm, self.explosion_norm, "error",
+                step,
+                "grad_explosion",
+                None,
+                norm,
+                self.explosion_norm,
+                "error",
                 f"global grad norm {norm:.4g} > {self.explosion_norm:g} (largest group: {_largest(report)})",
             )
         if math.isfinite(norm) and norm < self.vanishing_norm:
             self._vanishing_streak += 1
             if self._vanishing_streak >= self.vanishing_patience:
                 events += self._alert(
-                    step, "grad_vanishing", None, norm, self.vanishing_norm, "warning",
+                    step,
+                    "grad_vanishing",
+                    None,
+                    norm,
+                    self.vanishing_norm,
+                    "warning",
                     f"global grad norm {norm:.3g} < {self.vanishing_norm:g} for {self._vanishing_streak} "
                     "consecutive checks (frozen/detached parameters, LR/loss scale, all labels masked?)",
                 )
@@ -75,7 +85,12 @@ class GradientMonitor(StabilityCallback):
             self._vanishing_streak = 0
         if math.isfinite(report.max_abs) and report.max_abs > self.max_abs:
             events += self._alert(
-                step, "grad_max_abs", report.max_abs_group, report.max_abs, self.max_abs, "warning",
+                step,
+                "grad_max_abs",
+                report.max_abs_group,
+                report.max_abs,
+                self.max_abs,
+                "warning",
                 f"max |grad| {report.max_abs:.4g} > {self.max_abs:g} in {report.max_abs_param}",
                 param=report.max_abs_param,
             )
@@ -87,8 +102,9 @@ class GradientMonitor(StabilityCallback):
             return []
         if suppressed:
             message += f" ({suppressed} similar alerts suppressed since the last one)"
-        return [self.event(step, kind, message, group=group, value=value, threshold=threshold,
-                           severity=severity, **extra)]
+        return [
+            self.event(step, kind, message, group=group, value=value, threshold=threshold, severity=severity, **extra)
+        ]
 
     # --- Trainer hooks ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -103,10 +119,12 @@ class GradientMonitor(StabilityCallback):
         self._post_clip = bool(args.max_grad_norm and args.max_grad_norm > 0) and not pre_clip
         if self._post_clip and self._off_reason is None:
             self.event(
-                state.global_step, "monitor_notice",
+                state.global_step,
+                "monitor_notice",
                 f"gradient statistics are post-clip: TrainingArguments.max_grad_norm={args.max_grad_norm} clips "
                 "before any callback sees the gradients; set max_grad_norm=0 and clip with the hf_stable guard "
-                "for pre-clip numbers", severity="info",
+                "for pre-clip numbers",
+                severity="info",
             )
 
     def _say_off(self, state, reason: str) -> None:

@@ -8,6 +8,9 @@ at train start (off on every rank unless every rank has NVML), so no rank enters
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
@@ -50,12 +53,20 @@ class HardwareMonitor(StabilityCallback):
 
     def observe(self, step: int, reading: dict[str, float]) -> list[dict]:
         """Record one reading and alert when the GPU is hot."""
-        self.record({k: v for k, v in reading.items() if v == v})
+        self.record({k: v for k, v in reading.items() if not math.isnan(v)})
         temp = reading.get("hw/gpu_temp_c", float("nan"))
-        if temp == temp and temp >= self.temp_alert_c and self._gate.allow(step, "gpu_hot") is not None:
-            return [self.event(step, "gpu_hot", f"GPU temperature {temp:.0f} C >= {self.temp_alert_c:g} C "
-                               "(throttling likely; check cooling or lower the load)", value=temp,
-                               threshold=self.temp_alert_c, severity="warning")]
+        if not math.isnan(temp) and temp >= self.temp_alert_c and self._gate.allow(step, "gpu_hot") is not None:
+            return [
+                self.event(
+                    step,
+                    "gpu_hot",
+                    f"GPU temperature {temp:.0f} C >= {self.temp_alert_c:g} C "
+                    "(throttling likely; check cooling or lower the load)",
+                    value=temp,
+                    threshold=self.temp_alert_c,
+                    severity="warning",
+                )
+            ]
         return []
 
     def _open(self) -> str | None:
@@ -87,10 +98,8 @@ class HardwareMonitor(StabilityCallback):
             ("hw/power_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
             ("hw/gpu_util_pct", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu),
         ):
-            try:
+            with contextlib.suppress(Exception):  # some counters are unsupported on some boards
                 out[key] = float(fn())
-            except Exception:  # noqa: BLE001 - some counters are unsupported on some boards
-                pass
         return out
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -108,5 +117,5 @@ class HardwareMonitor(StabilityCallback):
         if self.enabled and self._off_reason is None and self._handle is not None and control.should_log:
             reading = self.read()
             values = reduce_host([reading[k] for k in _KEYS], "max", self._device)
-            self.observe(state.global_step, dict(zip(_KEYS, values)))
+            self.observe(state.global_step, dict(zip(_KEYS, values, strict=False)))
         super().on_step_end(args, state, control, **kwargs)

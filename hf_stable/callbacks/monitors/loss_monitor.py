@@ -50,9 +50,13 @@ class LossMonitor(StepTapUser, StabilityCallback):
 
     def state_dict(self) -> dict:
         return {
-            "history": list(self._history), "interval": list(self._interval), "checks": list(self._checks),
-            "curv_streak": self._curv_streak, "evals": [list(e) for e in self._evals],
-            "plateau_fired": self._plateau_fired, "gate": self._gate.state_dict(),
+            "history": list(self._history),
+            "interval": list(self._interval),
+            "checks": list(self._checks),
+            "curv_streak": self._curv_streak,
+            "evals": [list(e) for e in self._evals],
+            "plateau_fired": self._plateau_fired,
+            "gate": self._gate.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -76,9 +80,16 @@ class LossMonitor(StepTapUser, StabilityCallback):
             z = robust_zscore(loss, list(self._history))
             metrics["loss/zscore"] = z
             if z > self.spike_zscore:
-                events += self._alert(step, "loss_spike", loss, self.spike_zscore, "warning",
-                                      f"loss {loss:.4g} is {z:.1f} robust standard deviations above the median of "
-                                      f"the last {len(self._history)} steps", zscore=z)
+                events += self._alert(
+                    step,
+                    "loss_spike",
+                    loss,
+                    self.spike_zscore,
+                    "warning",
+                    f"loss {loss:.4g} is {z:.1f} robust standard deviations above the median of "
+                    f"the last {len(self._history)} steps",
+                    zscore=z,
+                )
         self._history.append(loss)
         self._interval.append(loss)
         if len(self._interval) >= self.curvature_interval:
@@ -100,9 +111,15 @@ class LossMonitor(StepTapUser, StabilityCallback):
             self._curv_streak = 0
         if self._curv_streak >= self.curvature_patience:
             self._curv_streak = 0
-            return self._alert(step, "loss_curvature", curvature, self.curvature_threshold, "warning",
-                               f"loss rising and accelerating: second difference > {self.curvature_threshold:g} for "
-                               f"{self.curvature_patience} consecutive checks (LR too high or noisy data?)")
+            return self._alert(
+                step,
+                "loss_curvature",
+                curvature,
+                self.curvature_threshold,
+                "warning",
+                f"loss rising and accelerating: second difference > {self.curvature_threshold:g} for "
+                f"{self.curvature_patience} consecutive checks (LR too high or noisy data?)",
+            )
         return []
 
     def observe_eval(self, step: int, eval_loss: float) -> list[dict]:
@@ -120,10 +137,17 @@ class LossMonitor(StepTapUser, StabilityCallback):
             return []
         self._plateau_fired = True
         action = "; stopping training (plateau_early_stop)" if self.plateau_early_stop else ""
-        return [self.event(step, "loss_plateau",
-                           f"eval loss moved {spread:.2g} < {self.plateau_delta:g} over the last "
-                           f"{self.plateau_window} steps{action}", value=spread, threshold=self.plateau_delta,
-                           severity="info")]
+        return [
+            self.event(
+                step,
+                "loss_plateau",
+                f"eval loss moved {spread:.2g} < {self.plateau_delta:g} over the last "
+                f"{self.plateau_window} steps{action}",
+                value=spread,
+                threshold=self.plateau_delta,
+                severity="info",
+            )
+        ]
 
     def _alert(self, step, kind, value, threshold, severity, message, **extra) -> list[dict]:
         suppressed = self._gate.allow(step, kind)

@@ -12,6 +12,9 @@ RSS on CPU) rose in at least `leak_rising_fraction` of the sample-to-sample chan
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import math
 from collections import deque
 
 import torch
@@ -27,12 +30,10 @@ _KEYS = ("allocated", "reserved", "peak", "retries", "ooms", "rss")
 def sample_memory(device: torch.device | None = None) -> dict[str, float]:
     """One memory sample: CUDA counters when CUDA is in use (GiB / counts), and the process RSS (GiB)."""
     out = {k: float("nan") for k in _KEYS}
-    try:
+    with contextlib.suppress(Exception):  # psutil is a core dependency, but never crash a run over a metric
         import psutil
 
         out["rss"] = psutil.Process().memory_info().rss / GIB
-    except Exception:  # noqa: BLE001 - psutil is a core dependency, but never crash a run over a metric
-        pass
     if torch.cuda.is_available() and torch.cuda.is_initialized() and (device is None or device.type == "cuda"):
         stats = torch.cuda.memory_stats(device)
         out["allocated"] = stats.get("allocated_bytes.all.current", 0) / GIB
@@ -67,8 +68,12 @@ class MemoryMonitor(StabilityCallback):
         self._device = torch.device("cpu")
 
     def state_dict(self) -> dict:
-        return {"trend": list(self._trend), "retries": self._retries, "ooms": self._ooms,
-                "gate": self._gate.state_dict()}
+        return {
+            "trend": list(self._trend),
+            "retries": self._retries,
+            "ooms": self._ooms,
+            "gate": self._gate.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._trend = deque((float(x) for x in state.get("trend", [])), maxlen=self.leak_window)
@@ -83,38 +88,62 @@ class MemoryMonitor(StabilityCallback):
         metrics = {}
         if cuda:
             reserved, allocated = sample["reserved"], sample["allocated"]
-            metrics.update({"mem/allocated_gib": allocated, "mem/reserved_gib": reserved,
-                            "mem/peak_gib": sample["peak"], "mem/alloc_retries": sample["retries"],
-                            "mem/ooms": sample["ooms"]})
+            metrics.update(
+                {
+                    "mem/allocated_gib": allocated,
+                    "mem/reserved_gib": reserved,
+                    "mem/peak_gib": sample["peak"],
+                    "mem/alloc_retries": sample["retries"],
+                    "mem/ooms": sample["ooms"],
+                }
+            )
             metrics["mem/fragmentation"] = (reserved - allocated) / reserved if reserved > 0 else 0.0
         if sample.get("rss") == sample.get("rss"):
             metrics["mem/rss_gib"] = sample["rss"]
         self.record(metrics)
         events = []
         if cuda and sample["retries"] > self._retries:
-            events += self._alert(step, "alloc_retries", sample["retries"], self._retries, "warning",
-                                  f"the CUDA caching allocator had to free and retry "
-                                  f"{sample['retries'] - self._retries:.0f} more time(s) (memory pressure: "
-                                  "fragmentation or a batch near the limit)")
+            events += self._alert(
+                step,
+                "alloc_retries",
+                sample["retries"],
+                self._retries,
+                "warning",
+                f"the CUDA caching allocator had to free and retry "
+                f"{sample['retries'] - self._retries:.0f} more time(s) (memory pressure: "
+                "fragmentation or a batch near the limit)",
+            )
         if cuda and sample["ooms"] > self._ooms:
-            events += self._alert(step, "oom", sample["ooms"], self._ooms, "error",
-                                  f"{sample['ooms'] - self._ooms:.0f} CUDA out-of-memory error(s) were raised")
+            events += self._alert(
+                step,
+                "oom",
+                sample["ooms"],
+                self._ooms,
+                "error",
+                f"{sample['ooms'] - self._ooms:.0f} CUDA out-of-memory error(s) were raised",
+            )
         if cuda:
             self._retries, self._ooms = sample["retries"], sample["ooms"]
         tracked = sample["reserved"] if cuda else sample.get("rss", float("nan"))
-        if step < self.warmup_steps or tracked != tracked:
+        if step < self.warmup_steps or math.isnan(tracked):
             return events
         self._trend.append(tracked)
         if len(self._trend) == self.leak_window:
             values = list(self._trend)
-            diffs = [b - a for a, b in zip(values, values[1:])]
+            diffs = [b - a for a, b in itertools.pairwise(values)]
             rising = sum(d > 0 for d in diffs) / len(diffs)
             growth = values[-1] - values[0]
             if rising >= self.leak_rising_fraction and growth >= self.leak_min_growth_gib:
                 what = "CUDA reserved" if cuda else "process RSS"
-                events += self._alert(step, "memory_leak", growth, self.leak_min_growth_gib, "warning",
-                                      f"{what} kept rising: +{growth:.3g} GiB over the last {len(values)} samples "
-                                      f"({rising:.0%} of changes up); tensors kept alive across steps?")
+                events += self._alert(
+                    step,
+                    "memory_leak",
+                    growth,
+                    self.leak_min_growth_gib,
+                    "warning",
+                    f"{what} kept rising: +{growth:.3g} GiB over the last {len(values)} samples "
+                    f"({rising:.0%} of changes up); tensors kept alive across steps?",
+                )
         return events
 
     def _alert(self, step, kind, value, threshold, severity, message) -> list[dict]:
@@ -132,5 +161,5 @@ class MemoryMonitor(StabilityCallback):
         if self.enabled and (control.should_log or state.global_step % self.every_n_steps == 0):
             sample = sample_memory(self._device)
             values = reduce_host([sample[k] for k in _KEYS], "max", self._device)
-            self.observe(state.global_step, dict(zip(_KEYS, values)))
+            self.observe(state.global_step, dict(zip(_KEYS, values, strict=False)))
         super().on_step_end(args, state, control, **kwargs)

@@ -66,8 +66,11 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         self.last_located: dict | None = None
 
     def state_dict(self) -> dict:
-        return {"reruns": self._reruns, "nonfinite_steps": self._nonfinite_steps[-100:],
-                "gate": self._gate.state_dict()}
+        return {
+            "reruns": self._reruns,
+            "nonfinite_steps": self._nonfinite_steps[-100:],
+            "gate": self._gate.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._reruns = int(state.get("reruns", 0))
@@ -89,8 +92,13 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         num, den = report.extras.get("loss_num"), report.extras.get("loss_den")
         if den and not math.isfinite(num) and (suppressed := self._gate.allow(step, "nonfinite_loss")) is not None:
             more = f" ({suppressed} later non-finite steps suppressed before this one)" if suppressed else ""
-            self.event(step, "nonfinite_loss", f"the training loss of step {step} is {num / den}{more}",
-                       value=num / den, severity="error")
+            self.event(
+                step,
+                "nonfinite_loss",
+                f"the training loss of step {step} is {num / den}{more}",
+                value=num / den,
+                severity="error",
+            )
         if self._off or not report.available or report.nonfinite_total == 0:
             return
         self._nonfinite_steps.append(step)
@@ -111,7 +119,7 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
             flags = torch.cat([grads, (~torch.isfinite(weights)).float(), weights.new_tensor([not wants_rerun])])
         flags = all_reduce_tensor(flags, "max").tolist()  # second transfer: failing steps only
         n = len(named)
-        names = [name for (name, _), bad in zip(named, flags[:n]) if bad]
+        names = [name for (name, _), bad in zip(named, flags[:n], strict=False) if bad]
         n_bad_weights, rerun = int(sum(flags[n : 2 * n])), not flags[-1]
         if suppressed is None:
             return
@@ -119,8 +127,13 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         if len(names) == n and n > 1:
             # Every gradient is non-finite: a non-finite loss does that, and so does the stock Trainer's clip
             # (its NaN coefficient); `StableTrainer` does not spread NaN, so there the gradients are the truth.
-            cause = ("the loss is non-finite" if den and not math.isfinite(num) else
-                     "as found" if stats.pre_clip else "the Trainer's clip_grad_norm_ spreads one NaN to all")
+            cause = (
+                "the loss is non-finite"
+                if den and not math.isfinite(num)
+                else "as found"
+                if stats.pre_clip
+                else "the Trainer's clip_grad_norm_ spreads one NaN to all"
+            )
             why = "switched off" if not self.rerun else f"used up (max_reruns={self.max_reruns})"
             located = None
             if rerun:
@@ -161,10 +174,16 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         flags = all_reduce_tensor(bad, "max").tolist()
         if flags[-1]:
             return None, op, "was not possible (no captured batch, no loss, or it failed)"
-        names = [n for (n, _), f in zip(named, flags) if f]
+        names = [n for (n, _), f in zip(named, flags, strict=False) if f]
         if not names:  # the same batch and weights now give finite gradients
-            return None, op, ("gave finite gradients: the fault did not reproduce (transient - e.g. a hardware "
-                              "error, a race, a non-deterministic op, or a fault injected into that one step)")
+            return (
+                None,
+                op,
+                (
+                    "gave finite gradients: the fault did not reproduce (transient - e.g. a hardware "
+                    "error, a race, a non-deterministic op, or a fault injected into that one step)"
+                ),
+            )
         return names, op, "named them"
 
     def _grads_once(self, model, params, call_args, call_kwargs, args):
@@ -181,14 +200,16 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
                 op = match.group(1)  # anomaly mode stopped at the first NaN; run again for every gradient
         return batch_gradients(model, params, call_args, call_kwargs, args)[1], op
 
-    def _report(self, step: int, names: list[str], how: str, op: str | None, suppressed: int,
-                n_bad_weights: int) -> None:
+    def _report(
+        self, step: int, names: list[str], how: str, op: str | None, suppressed: int, n_bad_weights: int
+    ) -> None:
         groups: dict[str, int] = {}
         for n in names:
             g = classify(n).group
             groups[g] = groups.get(g, 0) + 1
-        listed = ", ".join(names[: self.max_names]) + (f" (+{len(names) - self.max_names} more)"
-                                                        if len(names) > self.max_names else "")
+        listed = ", ".join(names[: self.max_names]) + (
+            f" (+{len(names) - self.max_names} more)" if len(names) > self.max_names else ""
+        )
         where = f"; first NaN produced by backward op {op}" if op else ""
         if op is None and self.detect_anomaly and "re-run" in how:
             where = "; no backward op produced it (a gradient hook, or NaN already in the inputs or weights)"
@@ -199,9 +220,15 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         first_group = next(iter(groups), None)
         self.last_located = {"step": step, "params": names, "groups": groups, "op": op}
         self.event(
-            step, "nonfinite_grad",
+            step,
+            "nonfinite_grad",
             f"non-finite gradient in {len(names)} tensor(s) at step {step}, found by {how}: {listed}{where}",
-            group=first_group if len(groups) == 1 else ",".join(groups)[:200], value=len(names),
-            threshold=0, severity="error", params=names[:100], groups=groups, op=op,
+            group=first_group if len(groups) == 1 else ",".join(groups)[:200],
+            value=len(names),
+            threshold=0,
+            severity="error",
+            params=names[:100],
+            groups=groups,
+            op=op,
             nonfinite_weights=n_bad_weights,
         )

@@ -75,13 +75,17 @@ class ThroughputMonitor(StepTapUser, StabilityCallback):
         if suppressed is None:
             return []
         level = "severe" if severe else "mild"
-        return [self.event(
-            step, "data_stall",
-            f"{level} data stall: waiting for the dataloader {ratio:.2f}x as long as computing over the last "
-            f"{steps:.0f} steps (more dataloader_num_workers, pin_memory, pre-tokenize, or packing?)",
-            value=ratio, threshold=self.severe_ratio if severe else self.mild_ratio,
-            severity="error" if severe else "warning",
-        )]
+        return [
+            self.event(
+                step,
+                "data_stall",
+                f"{level} data stall: waiting for the dataloader {ratio:.2f}x as long as computing over the last "
+                f"{steps:.0f} steps (more dataloader_num_workers, pin_memory, pre-tokenize, or packing?)",
+                value=ratio,
+                threshold=self.severe_ratio if severe else self.mild_ratio,
+                severity="error" if severe else "warning",
+            )
+        ]
 
     # --- Trainer hooks ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -105,16 +109,21 @@ class ThroughputMonitor(StepTapUser, StabilityCallback):
             self._seen += 1
             if self._seen > self.skip_first_steps:
                 tokens = float(self._tap.tokens) if self._tap is not None else 0.0
-                for key, value in (("tokens", tokens), ("wait", self._wait), ("compute", now - self._begin),
-                                   ("steps", 1.0)):
+                for key, value in (
+                    ("tokens", tokens),
+                    ("wait", self._wait),
+                    ("compute", now - self._begin),
+                    ("steps", 1.0),
+                ):
                     self._interval[key] += value
             if control.should_log:
                 keys = list(self._interval)
-                summed = dict(zip(keys, reduce_host([self._interval[k] for k in keys], "sum", self._device)))
+                summed = dict(
+                    zip(keys, reduce_host([self._interval[k] for k in keys], "sum", self._device), strict=False)
+                )
                 for k in keys:
                     self._totals[k] += summed[k]
-                self.observe(state.global_step, summed["tokens"], summed["wait"], summed["compute"],
-                             summed["steps"])
+                self.observe(state.global_step, summed["tokens"], summed["wait"], summed["compute"], summed["steps"])
                 self._interval = dict.fromkeys(keys, 0.0)
             self._ready = time.perf_counter()
         super().on_step_end(args, state, control, **kwargs)

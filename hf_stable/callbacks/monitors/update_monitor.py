@@ -67,12 +67,24 @@ class UpdateMonitor(StabilityCallback):
                 suppressed = self._gate.allow(step, "update_stall", group)
                 if suppressed is None:
                     continue
-                msg = (f"{group}: relative update {ratio:.3g} < {self.stall_ratio:g} for {self._streak[group]} checks "
-                       f"while its grad norm is {gnorm:.3g} (bf16 weights too coarse? LR 0? not in the optimizer?)")
+                msg = (
+                    f"{group}: relative update {ratio:.3g} < {self.stall_ratio:g} for {self._streak[group]} checks "
+                    f"while its grad norm is {gnorm:.3g} (bf16 weights too coarse? LR 0? not in the optimizer?)"
+                )
                 if suppressed:
                     msg += f" ({suppressed} similar alerts suppressed)"
-                events.append(self.event(step, "update_stall", msg, group=group, value=ratio,
-                                         threshold=self.stall_ratio, severity="warning", grad_norm=gnorm))
+                events.append(
+                    self.event(
+                        step,
+                        "update_stall",
+                        msg,
+                        group=group,
+                        value=ratio,
+                        threshold=self.stall_ratio,
+                        severity="warning",
+                        grad_norm=gnorm,
+                    )
+                )
         return events
 
     # --- Trainer hooks ------------------------------------------------------------------------------
