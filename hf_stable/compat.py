@@ -91,6 +91,15 @@ TRAINER_METHODS = {
     "_clip_grad_norm": ("self", "model"),
     "_get_grad_norm": ("self", "model", "grad_norm"),
     "_has_mixed_mesh_grads": ("self", "model"),
+    "_get_train_sampler": ("self", "train_dataset"),
+    "_init_training_state": (
+        "self",
+        "max_steps",
+        "num_update_steps_per_epoch",
+        "num_train_epochs",
+        "resume_from_checkpoint",
+        "trial",
+    ),
 }
 
 

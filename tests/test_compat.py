@@ -133,5 +133,5 @@ def test_has_mixed_mesh_grads_on_a_plain_model(tmp_path):
     # and the StableTrainer overrides still match the Trainer's methods they replace
     from hf_stable.trainer import StableTrainer
 
-    for name in ("_clip_grad_norm", "_get_grad_norm"):
+    for name in ("_clip_grad_norm", "_get_grad_norm", "_get_train_sampler", "_init_training_state"):
         assert tuple(inspect.signature(getattr(StableTrainer, name)).parameters) == compat.TRAINER_METHODS[name]
