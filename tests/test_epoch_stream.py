@@ -146,7 +146,7 @@ def _events(out: Path) -> list[dict]:
 def test_recipe_runs_batch_warmup_snr_and_optimizer_phases_together_for_200_steps(tmp_path):
     import json
 
-    from dist_scripts.harness import launch, recipe_args
+    from tests.dist_scripts.harness import launch, recipe_args
 
     out = tmp_path / "out"
     phases = "[{name: adamw, until_step: 60}, {name: sgd, until_step: 120, lr_scale: 10}, {name: lion, lr_scale: 0.3}]"
@@ -192,7 +192,7 @@ def test_recipe_with_batch_warmup_killed_and_resumed_equals_the_uninterrupted_ru
     import json
     import signal
 
-    from dist_scripts.harness import launch, load_adapter, recipe_args, strip_timing
+    from tests.dist_scripts.harness import launch, load_adapter, recipe_args, strip_timing
 
     # accumulation 1, 1, 1, 1, 2, 2, 4 ... (doubling due every 3 steps, applied when aligned); killed while writing
     # checkpoint-8, resumed from checkpoint-6 at accumulation 4: the stock Trainer would skip 6 micro-batches, not 8

@@ -155,7 +155,7 @@ def test_kill9_and_resume_with_a_quarantine_equals_the_uninterrupted_run(tmp_pat
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_two_ranks_name_the_same_culprit_and_stay_identical(tmp_path):
-    from dist_scripts.harness import torchrun_two_ranks
+    from tests.dist_scripts.harness import torchrun_two_ranks
 
     idx = position_of(6)  # some step of one rank's shard; which rank holds it does not matter
     torchrun_two_ranks(
