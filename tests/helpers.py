@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from hf_stable.config import EmbeddedBaseConfig
+from tests.dist_scripts.harness import tiny_base_args
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -51,18 +52,7 @@ def tiny_args(tmp: Path, arch: str = "llama", *extra: str) -> list[str]:
     return [
         "--model.name_or_path",
         f"embedded:tiny-{arch}",
-        "--model.embedded.hidden_size",
-        "64",
-        "--model.embedded.intermediate_size",
-        "128",
-        "--model.embedded.num_hidden_layers",
-        "2",
-        "--model.embedded.vocab_size",
-        "512",
-        "--model.embedded.pretrain_steps",
-        "0",
-        "--model.embedded.cache_dir",
-        str(tmp / "bases"),
+        *tiny_base_args(tmp / "bases"),
         "--data.train_file",
         str(tmp / "data" / "train.jsonl"),
         "--data.eval_file",

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist_scripts.harness import tiny_base_args
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "finetune.py"
 
@@ -28,20 +30,7 @@ def tiny_overrides(tmp: Path, arch: str = "llama", steps: int = 6, n_train: int 
     return [
         "--model.name_or_path",
         f"embedded:tiny-{arch}",
-        "--model.embedded.hidden_size",
-        "64",
-        "--model.embedded.intermediate_size",
-        "128",
-        "--model.embedded.num_hidden_layers",
-        "2",
-        "--model.embedded.vocab_size",
-        "512",
-        "--model.embedded.pretrain_steps",
-        "20",
-        "--model.embedded.pretrain_batch_size",
-        "8",
-        "--model.embedded.cache_dir",
-        str(tmp.parent / "bases"),
+        *tiny_base_args(tmp.parent / "bases", pretrain_steps=20),
         "--data.train_file",
         str(data / "train.jsonl"),
         "--data.eval_file",

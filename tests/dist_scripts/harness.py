@@ -52,26 +52,23 @@ def data_files(n_train: int) -> tuple[Path, Path]:
     return folder / "train.jsonl", folder / "eval.jsonl"
 
 
+def tiny_base_args(cache_dir: Path, pretrain_steps: int = 0) -> list[str]:
+    """Recipe overrides for the tests' tiny embedded base (hidden 64, 2 layers, vocab 512), cached in `cache_dir`."""
+    args = ["--model.embedded.hidden_size", "64", "--model.embedded.intermediate_size", "128"]
+    args += ["--model.embedded.num_hidden_layers", "2", "--model.embedded.vocab_size", "512"]
+    args += ["--model.embedded.pretrain_steps", str(pretrain_steps)]
+    if pretrain_steps:
+        args += ["--model.embedded.pretrain_batch_size", "8"]
+    return [*args, "--model.embedded.cache_dir", str(cache_dir)]
+
+
 def recipe_args(out: Path, *, steps: int = 8, n_train: int = 64, save_steps: int | None = None) -> list[str]:
     """scripts/finetune.py arguments for a tiny run writing into `out`."""
     train, held = data_files(n_train)
     args = [
         "--model.name_or_path",
         "embedded:tiny-llama",
-        "--model.embedded.hidden_size",
-        "64",
-        "--model.embedded.intermediate_size",
-        "128",
-        "--model.embedded.num_hidden_layers",
-        "2",
-        "--model.embedded.vocab_size",
-        "512",
-        "--model.embedded.pretrain_steps",
-        "20",
-        "--model.embedded.pretrain_batch_size",
-        "8",
-        "--model.embedded.cache_dir",
-        str(session_dir() / "bases"),
+        *tiny_base_args(session_dir() / "bases", pretrain_steps=20),
         "--data.train_file",
         str(train),
         "--data.eval_file",
