@@ -27,6 +27,7 @@ import yaml
 from hf_stable.checkpoints import is_complete, list_checkpoints
 from hf_stable.core.events import EVENTS_FILE
 from hf_stable.errors import HfStableError
+from hf_stable.forensics.quarantine import QUARANTINE_FILE
 from hf_stable.logging import is_main_process
 
 SUMMARY_FILE = "run_summary.json"
@@ -113,20 +114,25 @@ class OutputDir:
         return f"training.output_dir: cannot use {self.path}: {describe_os_error(e)}; {fix}"
 
     def set_aside_events(self, resuming: bool) -> Path | None:
-        """A fresh run (not a resume) into a directory that holds an earlier run's `stability_events.jsonl`:
-        rename that file to `stability_events.<time>.jsonl` so the report and model card show this run's events
-        only, and nothing is lost. Returns the new path, or None when there was nothing to move."""
-        old = self.path / EVENTS_FILE
-        if resuming or not is_main_process() or not old.is_file():
+        """A fresh run (not a resume) into a directory that holds an earlier run's `stability_events.jsonl` (and
+        `quarantine.jsonl`): rename each to `<name>.<time>.jsonl` so the report and model card show this run's
+        events and quarantine only, and nothing is lost. Returns the events' new path, or None when there was none."""
+        if resuming or not is_main_process():
             return None
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(old.stat().st_mtime))
-        target = self.path / f"{old.stem}.{stamp}{old.suffix}"
-        n = 1
-        while target.exists():
-            n += 1
-            target = self.path / f"{old.stem}.{stamp}-{n}{old.suffix}"
-        old.replace(target)
-        return target
+        moved = None
+        for name in (EVENTS_FILE, QUARANTINE_FILE):
+            old = self.path / name
+            if not old.is_file():
+                continue
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(old.stat().st_mtime))
+            target = self.path / f"{old.stem}.{stamp}{old.suffix}"
+            n = 1
+            while target.exists():
+                n += 1
+                target = self.path / f"{old.stem}.{stamp}-{n}{old.suffix}"
+            old.replace(target)
+            moved = target if name == EVENTS_FILE else moved
+        return moved
 
     def write_json(self, name: str, data) -> Path:
         if is_main_process():

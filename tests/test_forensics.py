@@ -72,6 +72,40 @@ def test_screening_catches_a_record_too_mild_to_flag_its_step_and_nothing_on_cle
     assert entries[0]["evidence"]["loss"] > 2 * entries[0]["evidence"]["step_median"]
 
 
+@pytest.mark.parametrize("explained", [False, True])
+def test_a_suspect_whose_prompt_does_not_explain_its_answer_is_named(tmp_path, monkeypatch, explained):
+    """A record too mild for the loss rule (under 2x the median) but a robust outlier is a suspect; re-run, its
+    prompt gain decides. The gain itself is unit-tested in test_forensics_data; here it is set per sample."""
+    import hf_stable.callbacks.spike_forensics as sf
+    from tests.dist_scripts.forensics_run import MAGIC
+
+    seen = []
+
+    def gain(model, sample, empty, args=None):
+        poisoned = bool((sample["input_ids"] == MAGIC).any())
+        seen.append(poisoned)
+        return 0.5 if explained or not poisoned else 1.3
+
+    monkeypatch.setattr(sf, "prompt_gain", gain)
+    idx = position_of(5)
+    trainer, skip, _ = build(
+        tmp_path,
+        factor=20.0,
+        poison_index=idx,
+        grad_free=True,
+        forensics_kw={"screen": True, "screen_every": 4, "min_excess_nats": 10.0},
+    )
+    trainer.train()
+    assert skip.skipped_steps == [] and True in seen  # the poisoned sample was a suspect and re-run
+    entries = read_quarantine(tmp_path)
+    if explained:
+        assert entries == []
+        return
+    assert [(e["where"], e["reason"], e["step"]) for e in entries] == [(f"train.jsonl:{idx + 1}", "prompt_mismatch", 5)]
+    ev = entries[0]["evidence"]
+    assert ev["prompt_gain"] == 1.3 and ev["z"] > 3 and ev["loss"] < 2 * ev["step_median"]  # the loss rule alone: no
+
+
 def test_a_gradient_spike_with_normal_losses_is_attributed_by_per_sample_gradient_norm(tmp_path):
     idx = position_of(5)
     trainer, skip, _ = build(tmp_path, factor=25.0, poison_index=idx)
@@ -168,9 +202,15 @@ def test_two_ranks_name_the_same_culprit_and_stay_identical(tmp_path):
         "--save-steps",
         "100",
         "--packing",
+        "--screen",
         timeout=280,
     )
     (r0, w0), (r1, w1) = _result(tmp_path, 0), _result(tmp_path, 1)
     assert r0["quarantine"] == r1["quarantine"] and r0["skipped"] == r1["skipped"] and len(r0["skipped"]) == 1
-    assert [e["where"] for e in r0["quarantine"]["entries"]] == [f"train.jsonl:{idx + 1}"]
+    entries = r0["quarantine"]["entries"]
+    assert [e["where"] for e in entries if e["reason"] != "prompt_mismatch"] == [f"train.jsonl:{idx + 1}"]
+    # screening's suspects (thresholds set so low that there are some) are re-run by the rank holding them and
+    # named by both ranks alike, each with its measured prompt gain
+    screened = [e for e in entries if e["reason"] == "prompt_mismatch"]
+    assert screened and all(math.isfinite(e["evidence"]["prompt_gain"]) for e in screened)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,61 @@ def test_judge_names_a_long_outlier_not_a_short_hard_answer_nor_a_batch_of_nans(
     assert [(c.row.record_id, c.reason) for c in judge(one, None, zscore=5.0, min_rel=1.0)[0]] == [
         (7, "nonfinite_loss")
     ]
+
+
+class _Bigram(torch.nn.Module):
+    """Logits from the current token only: the context before a token changes nothing."""
+
+    def __init__(self, vocab: int = 32):
+        super().__init__()
+        self.table = torch.nn.Embedding(vocab, vocab)
+
+    def forward(self, input_ids=None, use_cache=None, **_):
+        return type("Out", (), {"logits": self.table(input_ids)})()
+
+
+def test_prompt_gain_is_one_when_the_prompt_cannot_matter_and_ignores_padding():
+    from hf_stable.forensics.attribution import prompt_gain
+
+    torch.manual_seed(0)
+    model = _Bigram()
+    empty = [1, 2, 3]  # the template around an empty question; both prompts end with its last token
+    ids = torch.tensor([[1, 9, 9, 5, 3, 7, 8, 11]])
+    labels = torch.tensor([[-100] * 5 + [7, 8, 11]])
+    gain = prompt_gain(model, {"input_ids": ids, "labels": labels}, empty)
+    assert gain == pytest.approx(1.0, abs=1e-6)
+    # the same sample as a right-padded row of a batch: padding (attention 0) is not part of it
+    padded = {
+        "input_ids": torch.cat([ids, torch.tensor([[0, 0, 0]])], 1),
+        "labels": torch.cat([labels, torch.tensor([[-100] * 3])], 1),
+        "attention_mask": torch.tensor([[1] * 8 + [0] * 3]),
+    }
+    assert prompt_gain(model, padded, empty) == pytest.approx(gain, abs=1e-6)
+    # a prompt ending elsewhere predicts the answer's first token differently: the gain moves off 1
+    other = torch.tensor([[1, 9, 9, 5, 4, 7, 8, 11]])
+    assert prompt_gain(model, {"input_ids": other, "labels": labels}, empty) != pytest.approx(1.0, abs=1e-4)
+    assert math.isnan(prompt_gain(model, {"input_ids": ids, "labels": torch.full_like(labels, -100)}, empty))
+
+
+def test_an_earlier_runs_quarantine_is_set_aside_and_a_resume_rewrites_the_file_from_the_checkpoint(tmp_path):
+    """A fresh run into a used output dir must not append to the earlier run's quarantine.jsonl; a resumed run
+    names again what was named after its checkpoint, so the file is rewritten from the checkpoint's entries."""
+    from hf_stable.forensics.quarantine import QUARANTINE_FILE, Entry, Quarantine, read_quarantine
+    from hf_stable.outputs import OutputDir
+
+    earlier = Quarantine("auto", str(tmp_path))
+    earlier.add(Entry(record_id=3, where="train.jsonl:4", hash="h", step=2, reason="loss_outlier"))
+    earlier.add(Entry(record_id=5, where="train.jsonl:6", hash="h", step=9, reason="loss_outlier"))
+    OutputDir(tmp_path).set_aside_events(resuming=False)
+    assert read_quarantine(tmp_path) == []
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("quarantine.") and p.name != QUARANTINE_FILE]
+    assert len(aside) == 1 and len(read_quarantine(aside[0])) == 2  # set aside, not lost
+
+    (tmp_path / QUARANTINE_FILE).write_text(aside[0].read_text())  # a run killed after step 9, checkpoint at 5
+    resumed = Quarantine("auto")
+    resumed.load_state_dict({"entries": [earlier.entries[0].to_dict()]})
+    resumed.output_dir = str(tmp_path)
+    resumed.rewrite()
+    assert [e["where"] for e in read_quarantine(tmp_path)] == ["train.jsonl:4"]
+    resumed.add(Entry(record_id=5, where="train.jsonl:6", hash="h", step=9, reason="loss_outlier"))  # named again
+    assert [e["where"] for e in read_quarantine(tmp_path)] == ["train.jsonl:4", "train.jsonl:6"]  # once each

@@ -18,6 +18,7 @@ on them again - on every rank, across resumes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,11 +37,15 @@ from hf_stable.forensics.attribution import (
     grad_outliers,
     judge,
     local_sample_losses,
+    prompt_gain,
     ratios,
     sample_grad_norms,
+    single_sample_inputs,
 )
 from hf_stable.forensics.quarantine import Entry, Quarantine
 from hf_stable.forensics.sample_loss import per_sample_loss
+
+SAMPLE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")  # kept per forward for suspects' re-runs
 
 FORENSICS_EVENT_KINDS = {
     "samples_quarantined": "training records named as the culprits of a bad step (quarantine.jsonl)",
@@ -59,7 +64,7 @@ class ForensicsConfig:
     zscore: float = field(default=5.0, metadata={"help": "A culprit's robust z over the reference is above this..."})
     min_rel: float = field(default=1.0, metadata={"help": "... and its loss this fraction above the median."})
     min_excess_nats: float = field(
-        default=25.0,
+        default=40.0,
         metadata={"help": "... and its loss above the step's median, summed over its tokens, at least this (nats)."},
     )
     max_culprits: int = field(default=4, metadata={"help": "At most this many culprits per bad step (highest z)."})
@@ -74,6 +79,18 @@ class ForensicsConfig:
         default=64, metadata={"help": "Healthy per-sample losses needed before they are the reference."}
     )
     screen_every: int = field(default=8, metadata={"help": "Screening decisions every N steps (one gather)."})
+    suspect_zscore: float = field(
+        default=3.0,
+        metadata={"help": "Screening: a sample this far out (robust z) but short of a culprit is a suspect..."},
+    )
+    prompt_gain_min: float = field(
+        default=1.0,
+        metadata={
+            "help": "... and a culprit when its answer's loss with its prompt is at least this fraction of the "
+            "loss after an empty prompt (the prompt does not explain the answer)."
+        },
+    )
+    max_suspects: int = field(default=8, metadata={"help": "Suspects re-run per screening decision (highest z)."})
 
     @classmethod
     def from_data(cls, data) -> ForensicsConfig:
@@ -113,7 +130,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         self._model = self._optimizer = self._args = None
         self._step = 0
         self._bad_steps: set[int] = set()
-        self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, dict]] = []
 
     def attach(self, callbacks) -> SpikeForensics:
         """Listen to the skip guard among `callbacks` (and read the rollback guard's snapshot); returns self."""
@@ -143,6 +160,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             return
         self._model, self._optimizer, self._args = model, optimizer, args
         self.quarantine.output_dir = args.output_dir if state.is_world_process_zero else None
+        self.quarantine.rewrite()  # a resume: the file holds what the checkpoint holds
         tap = self._use_step_tap(model)
         if tap is not None and self.cfg.screen:
             tap.add_output_listener(self._screen_forward)
@@ -264,7 +282,8 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             return
         with torch.no_grad():
             loss, count = per_sample_loss(logits.detach(), labels, kwargs.get("position_ids"), len(record_ids))
-        self._buffer.append((self._step, record_ids.to(loss.device), loss, count))
+        kept = {k: v for k, v in kwargs.items() if k in SAMPLE_KEYS and isinstance(v, torch.Tensor)}
+        self._buffer.append((self._step, record_ids.to(loss.device), loss, count, kept))
 
     def _flush_screen(self, step: int) -> None:
         device = next(self._model.parameters()).device if self._model is not None else torch.device("cpu")
@@ -279,8 +298,14 @@ class SpikeForensics(StepTapUser, StabilityCallback):
                 ],
                 dim=1,
             )
-            for s, ids, loss, count in self._buffer
+            for s, ids, loss, count, _ in self._buffer
         ]
+        located = {
+            (s, rid): (inputs, seg)
+            for s, ids, _, _, inputs in self._buffer
+            for seg, rid in enumerate(ids.tolist())
+            if rid >= 0
+        }
         self._buffer = []
         local = torch.cat(parts).to(device) if parts else torch.zeros((0, 5), dtype=torch.float64, device=device)
         n = torch.tensor([float(local.shape[0])], device=device)
@@ -293,6 +318,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         by_step: dict[int, list[SampleRow]] = {}
         for s, rid, loss, count, rk in table:
             by_step.setdefault(int(s), []).append(SampleRow(int(rid), loss, int(count), math.nan, int(rk)))
+        judged = {}
         for s in sorted(by_step):
             if s in self._bad_steps:  # attributed already; not healthy either
                 continue
@@ -306,6 +332,10 @@ class SpikeForensics(StepTapUser, StabilityCallback):
                 min_excess=self.cfg.min_excess_nats,
                 reason="screen_outlier",
             )
+            judged[s] = (rows, culprits, med)
+        for s, culprit in self._prompt_mismatches(judged, located):
+            judged[s][1].append(culprit)
+        for s, (rows, culprits, med) in judged.items():
             culprits = [
                 c
                 for c in sorted(culprits, key=lambda c: -c.row.z)[: self.cfg.max_culprits]
@@ -318,6 +348,46 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             )
             self._quarantine(s, culprits, med, ["screen"])
         self._bad_steps = {b for b in self._bad_steps if b > step}
+
+    def _prompt_mismatches(self, judged: dict, located: dict) -> list[tuple[int, Culprit]]:
+        """Suspects (robust z above `suspect_zscore` and `min_excess_nats` above the step's median, but short of
+        `min_rel`: e.g. a long degenerate answer the model half-learned) whose prompt does not explain their answer
+        (`prompt_gain` at least `prompt_gain_min`): re-run by the rank holding them, summed over ranks. Every rank
+        enters the reduce: the suspects come from the gathered table."""
+        named = {c.row.record_id for _, cs, _ in judged.values() for c in cs}
+        suspects = sorted(
+            (
+                (r.z, s, r)
+                for s, (rows, _, med) in judged.items()
+                for r in rows
+                if math.isfinite(r.z)
+                and r.z > self.cfg.suspect_zscore
+                and (r.loss - med) * r.tokens >= self.cfg.min_excess_nats
+                and r.record_id not in named
+                and r.record_id not in self.quarantine
+            ),
+            key=lambda t: (-t[0], t[1], t[2].record_id),
+        )[: self.cfg.max_suspects]
+        if not suspects or self._model is None:
+            return []
+        device = next(self._model.parameters()).device
+        gains = torch.zeros(len(suspects), dtype=torch.float64, device=device)
+        empty = getattr(self.records, "empty_prompt", None) or []
+        me = rank()
+        with self._tap.paused() if self._tap is not None else contextlib.nullcontext():
+            for k, (_, s, r) in enumerate(suspects):
+                where = located.get((s, r.record_id)) if r.rank == me else None
+                sample = single_sample_inputs(where[0], where[1]) if where is not None else None
+                if sample is None:
+                    continue
+                with contextlib.suppress(Exception):  # evidence only: never fail the run over it
+                    gains[k] = prompt_gain(self._model, sample, empty, self._args)
+        gains = all_reduce_tensor(gains, "sum").tolist()
+        return [
+            (s, Culprit(r, "prompt_mismatch", prompt_gain=g))
+            for (_, s, r), g in zip(suspects, gains, strict=True)
+            if math.isfinite(g) and g >= self.cfg.prompt_gain_min
+        ]
 
     # --- the quarantine ------------------------------------------------------------------------------------
     def _quarantine(self, step: int, culprits: list[Culprit], median: float, step_reasons: list[str]) -> None:
@@ -339,6 +409,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
                 "step_median": median,
                 "loss_at_snapshot": c.row.loss_snapshot,
                 "grad_norm": c.grad_norm,
+                "prompt_gain": c.prompt_gain,
                 "step_reasons": step_reasons,
             }
             evidence = {k: _num(v) if isinstance(v, float) else v for k, v in evidence.items()}

@@ -16,7 +16,7 @@ from typing import Any
 from hf_stable.data.audit import packing_row_tokens, summarize
 from hf_stable.data.collators import PackingCollator, PaddingCollator
 from hf_stable.data.identity import RecordTable, exclude_records, read_exclusions
-from hf_stable.data.prompts import eos_id, resolve_template
+from hf_stable.data.prompts import encode_prompts, eos_id, resolve_template
 from hf_stable.data.records import read_records
 from hf_stable.data.samples import encode_records
 from hf_stable.errors import DataError
@@ -179,5 +179,7 @@ def build_data(
         stats=stats,
         template=template,
         format=train_read.format,
-        records=RecordTable.from_records(train_read.records),
+        records=RecordTable.from_records(
+            train_read.records, encode_prompts(tokenizer, [{"instruction": "", "input": ""}], template)[0]
+        ),
     )

@@ -64,12 +64,15 @@ class RecordTable:
         'train.jsonl:4'
     """
 
-    def __init__(self, infos: list[RecordInfo] | None = None):
+    def __init__(self, infos: list[RecordInfo] | None = None, empty_prompt: list[int] | None = None):
         self.infos: list[RecordInfo] = list(infos or [])
+        # token ids of the prompt template around an empty question: the context of the screening's
+        # "does the prompt explain the answer" re-run (`hf_stable.forensics.attribution.prompt_gain`)
+        self.empty_prompt: list[int] = list(empty_prompt or [])
 
     @classmethod
-    def from_records(cls, records) -> RecordTable:
-        return cls([RecordInfo(r.where, record_hash(r.data), record_preview(r.data)) for r in records])
+    def from_records(cls, records, empty_prompt: list[int] | None = None) -> RecordTable:
+        return cls([RecordInfo(r.where, record_hash(r.data), record_preview(r.data)) for r in records], empty_prompt)
 
     def __len__(self) -> int:
         return len(self.infos)

@@ -33,7 +33,7 @@ import torch
 from hf_stable.compat import foreach_norm
 from hf_stable.core.step_tap import StepTap, batch_gradients
 from hf_stable.distributed import all_gather_tensor, all_reduce_tensor, rank
-from hf_stable.forensics.sample_loss import per_sample_loss, segment_index
+from hf_stable.forensics.sample_loss import IGNORE_INDEX, per_sample_loss, segment_index
 
 COLUMNS = 5  # record_id, loss, tokens, loss at the snapshot (nan: none), rank
 
@@ -51,8 +51,9 @@ class SampleRow:
 @dataclass
 class Culprit:
     row: SampleRow
-    reason: str  # "nonfinite_loss" | "loss_outlier" | "screen_outlier"
+    reason: str  # "nonfinite_loss" | "loss_outlier" | "screen_outlier" | "grad_outlier" | "prompt_mismatch"
     grad_norm: float = math.nan
+    prompt_gain: float = math.nan  # loss with the prompt / loss with an empty prompt (see `prompt_gain`)
 
 
 def robust_stats(values: list[float]) -> tuple[float, float]:
@@ -241,3 +242,37 @@ def culprit_grad_norms(model, params, tap: StepTap, located: dict, culprits: lis
     norms = sample_grad_norms(model, params, tap, located, [c.row for c in culprits], args)
     for c, n in zip(culprits, norms, strict=False):
         c.grad_norm = n
+
+
+def _answer_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, args=None) -> float:
+    from hf_stable.precision import training_autocast
+
+    with training_autocast(args, input_ids.device):
+        logits = _logits_of(model(input_ids=input_ids, use_cache=False))
+    loss, _ = per_sample_loss(logits, labels, None, n_segments=1)
+    return float(loss[0])
+
+
+def prompt_gain(model, sample: dict, empty_prompt: list[int], args=None) -> float:
+    """Loss of a sample's answer with its prompt over the loss of the same answer after `empty_prompt` (the
+    template around an empty question), both at the current weights, no grad. A well-posed sample's prompt
+    explains its answer (ratio well below 1); an answer its prompt does not explain - an answer of another
+    question, noise - is about as likely without it (ratio near or above 1). This is the instruction-following
+    difficulty of Li et al. 2024 (arXiv 2308.12032, "IFD"), used here only on samples whose loss already stands
+    out. NaN when the sample has no supervised token."""
+    ids, labels = sample["input_ids"].reshape(-1), sample["labels"].reshape(-1)
+    attention = sample.get("attention_mask")
+    if isinstance(attention, torch.Tensor):  # a padded row: its real tokens only
+        real = attention.reshape(-1).bool()
+        ids, labels = ids[real], labels[real]
+    mask = labels.ne(IGNORE_INDEX)
+    if not bool(mask.any()):
+        return math.nan
+    answer = ids[mask]
+    prefix = torch.tensor(empty_prompt or ids[:1].tolist(), dtype=ids.dtype, device=ids.device)
+    bare_ids = torch.cat([prefix, answer])[None]
+    bare_labels = torch.cat([torch.full_like(prefix, IGNORE_INDEX), answer])[None]
+    with torch.no_grad():
+        with_prompt = _answer_loss(model, ids[None], labels[None], args)
+        without = _answer_loss(model, bare_ids, bare_labels, args)
+    return with_prompt / without if without > 0 and math.isfinite(without) else math.nan

@@ -77,6 +77,19 @@ class Quarantine:
                 fh.write(json.dumps(entry.to_dict(), ensure_ascii=False) + "\n")
         return True
 
+    def rewrite(self) -> None:
+        """Make ``quarantine.jsonl`` hold exactly `entries` (atomic): after a resume, entries named after the
+        checkpoint are dropped - the resumed run names them again."""
+        if not self.output_dir:
+            return
+        path = Path(self.output_dir) / QUARANTINE_FILE
+        if not self.entries and not path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{QUARANTINE_FILE}.tmp")
+        tmp.write_text("".join(json.dumps(e.to_dict(), ensure_ascii=False) + "\n" for e in self.entries), "utf-8")
+        tmp.replace(path)
+
     def blocks(self, record_id: int, epoch: int, position: int) -> bool:
         """True when the sampler must not yield `record_id` at (`epoch`, `position`) (``auto`` only)."""
         if self.mode != "auto" or record_id not in self._ids:

@@ -35,6 +35,9 @@ from hf_stable.trainer import StableTrainer
 
 MAGIC = 127
 N, BATCH, SEED = 32, 4, 0
+# screening with thresholds so low that every sample is a suspect (8 per decision), re-run for its prompt gain, named:
+# exercises the suspects' re-run and its reduce on every rank (the 2-rank test checks the ranks agree)
+SCREEN_ALL = {"screen": True, "screen_every": 4, "suspect_zscore": -1e9, "min_excess_nats": -1e9, "prompt_gain_min": 0.0}
 
 
 def rows(poison_index: int) -> list[dict]:
@@ -143,6 +146,7 @@ def main() -> None:
     p.add_argument("--save-steps", type=int, default=2)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--packing", action="store_true")
+    p.add_argument("--screen", action="store_true", help="screening: every sample a suspect (SCREEN_ALL)")
     a = p.parse_args()
     out = Path(a.out)
     callbacks = [KillAfterSave(a.kill_at)] if a.kill_at else []
@@ -152,6 +156,7 @@ def main() -> None:
         steps=a.steps,
         poison_index=a.poison_index,
         callbacks=callbacks,
+        forensics_kw=SCREEN_ALL if a.screen else None,
         save_strategy="steps",
         save_steps=a.save_steps,
     )
