@@ -101,7 +101,9 @@ def test_a_suspect_whose_prompt_does_not_explain_its_answer_is_named(tmp_path, m
     if explained:
         assert entries == []
         return
-    assert [(e["where"], e["reason"], e["step"]) for e in entries] == [(f"train.jsonl:{idx + 1}", "prompt_mismatch", 5)]
+    assert [(e["where"], e["reason"], e["step"]) for e in entries] == [
+        (f"train.jsonl:{idx + 1}", "prompt_mismatch", 5)
+    ]
     ev = entries[0]["evidence"]
     assert ev["prompt_gain"] == 1.3 and ev["z"] > 3 and ev["loss"] < 2 * ev["step_median"]  # the loss rule alone: no
 

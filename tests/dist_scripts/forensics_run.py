@@ -37,7 +37,13 @@ MAGIC = 127
 N, BATCH, SEED = 32, 4, 0
 # screening with thresholds so low that every sample is a suspect (8 per decision), re-run for its prompt gain, named:
 # exercises the suspects' re-run and its reduce on every rank (the 2-rank test checks the ranks agree)
-SCREEN_ALL = {"screen": True, "screen_every": 4, "suspect_zscore": -1e9, "min_excess_nats": -1e9, "prompt_gain_min": 0.0}
+SCREEN_ALL = {
+    "screen": True,
+    "screen_every": 4,
+    "suspect_zscore": -1e9,
+    "min_excess_nats": -1e9,
+    "prompt_gain_min": 0.0,
+}
 
 
 def rows(poison_index: int) -> list[dict]:
