@@ -34,3 +34,21 @@ def _check(tmp_path):
     assert [e["kind"] for e in ranks[0]["events"]] == [e["kind"] for e in ranks[1]["events"]]
     w0, w1 = (torch.load(tmp_path / f"rank{i}.pt") for i in (0, 1))
     assert set(w0) == set(w1) and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_repeat_rollback_for_non_finite_steps_is_declined_on_both_ranks(tmp_path):
+    # rank 1 alone overflows at 5-7 and 15-17: both roll back at 7, both decline the repeat at 17 (the
+    # weights-finite flag is a collective entered by both), and the ranks end bitwise identical
+    script = Path(__file__).parent / "dist_scripts" / "repeat_nonfinite_ddp.py"
+    torchrun_two_ranks(script, str(tmp_path), timeout=200, env={"GUARDS_DDP_TIMEOUT": "150"})
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+    for r in ranks:
+        assert r["skipped"] == [5, 6, 7, 15, 16, 17]
+        kinds = [(e["kind"], e["step"]) for e in r["events"] if e["kind"].startswith("rollback")]
+        assert kinds == [("rollback", 7), ("rollback_declined", 17)]
+        assert r["rollbacks"] == 1 and r["lr_factor"] == pytest.approx(0.5) and r["finite"]
+    assert ranks[0]["events"] == ranks[1]["events"]
+    w0, w1 = (torch.load(tmp_path / f"rank{i}.pt") for i in (0, 1))
+    assert set(w0) == set(w1) and all(torch.equal(w0[k], w1[k]) for k in w0)

@@ -256,3 +256,51 @@ def test_batches_that_overflow_at_healthy_weights_are_skipped_without_a_rollback
     events = read_events(tmp_path / "damage")
     (event,) = [e for e in events if e["kind"].startswith("rollback")]
     assert event["kind"] == "rollback" and event["check"] == "damaged weights" and event["value"] == 0
+
+
+class _OverflowPhases:
+    """In the chosen steps every batch overflows (non-finite loss) at any weights but the initial ones, re-runs of
+    other batches included: trained weights whose activations pass the fp16 limit on the inputs of a stretch of
+    the run, while the initial weights handle them."""
+
+    def __init__(self, model, steps):
+        self.steps, self.forwards = set(steps), 0
+        self.initial = [p.detach().clone() for p in model.parameters()]
+        model.register_forward_pre_hook(self._count)
+        model.register_forward_hook(self._overflow)
+
+    def _count(self, module, args):
+        from hf_stable.core.step_tap import StepTap
+
+        if module.training and torch.is_grad_enabled() and not StepTap.shared(module)._paused:
+            self.forwards += 1
+
+    def _overflow(self, module, args, output):
+        moved = any(not torch.equal(p, q) for p, q in zip(module.parameters(), self.initial, strict=False))
+        if self.forwards in self.steps and moved:
+            output["loss"] = output["loss"] * float("inf")
+        return output
+
+
+def test_a_repeat_rollback_for_non_finite_steps_is_declined_while_the_weights_are_finite(tmp_path):
+    # only the step-0 snapshot. Steps 5-7 overflow at the current weights (the last accepted batch too) and not at
+    # step 0's: rolled back to 0, LR x0.5. The run recovers (8-14 applied) and steps 15-17 overflow again: a
+    # second restore of step 0 cannot cure that -> declined, skipped only, LR factor stays 0.5 (before: restored
+    # step 0 again and escalated to x0.25, factor 0.125, as in benchmarks/rescue.py fp16 seed 3)
+    model = tiny_lora_llama()
+    rec = Recorder(model)
+    fault = _OverflowPhases(model, steps=(5, 6, 7, 15, 16, 17))
+    skip, lr = SkipGuard(), LRControl()
+    rollback = RollbackGuard(skip, lr, snapshot_share=None, snapshot_every=1000)
+    args = training_args(tmp_path, max_steps=20, learning_rate=1e-2)
+    Trainer(model=model, args=args, train_dataset=token_data(256), callbacks=[skip, rollback, lr, rec]).train()
+    assert fault.forwards == 20
+    events = read_events(tmp_path)
+    assert [e["step"] for e in events if e["kind"] == "step_skipped"] == [5, 6, 7, 15, 16, 17]
+    kinds = [(e["kind"], e["step"]) for e in events if e["kind"].startswith("rollback")]
+    assert kinds == [("rollback", 7), ("rollback_declined", 17)]
+    assert next(e for e in events if e["kind"] == "rollback_declined")["reason"] == "repeat_nonfinite"
+    assert rollback.rollbacks == 1 and lr.product == pytest.approx(0.5)
+    # nothing restored at 17: the weights of step 14 carry on, and training goes on from them
+    assert weights_equal(rec.weights[17], rec.weights[14]) and not weights_equal(rec.weights[20], rec.weights[17])
+    assert all_finite(rec.weights[20])

@@ -27,7 +27,8 @@ GUARD_EVENT_KINDS = {
     "skip_reference_reset": "a level persisted past max_consecutive_skips and became the new reference",
     "rollback": "weights and optimizer state restored from the last snapshot; LR backed off",
     "rollback_exhausted": "max_rollbacks reached; bad steps are only skipped from then on",
-    "rollback_declined": "K bad steps, but the batch is as bad at the snapshot's weights: bad data, no rollback",
+    "rollback_declined": "K bad steps, but not from damaged weights (the batch is as bad at the snapshot's, or a "
+    "repeat restore for non-finite steps): skipped only, no rollback",
     "rollback_held": "more bad steps right after a rollback with nothing applied since: skipped, no new backoff",
     "lr_adjusted": "the SNR rule changed its LR factor",
     "optimizer_switch": "the optimizer phase changed (AdamW -> SGD -> Lion ...)",

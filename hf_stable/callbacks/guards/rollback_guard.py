@@ -15,8 +15,16 @@ then lower the LR (factor `rollback` in `LRControl`, times `lr_backoff`, kept on
   the last accepted batch (an input that overflows) -> `rollback_declined`, nothing restored, LR unchanged.
 * More bad steps right after a rollback with nothing applied since -> only skipped (`rollback_held`): the weights
   are still the snapshot's, another restore would only cut the LR.
+* A repeat rollback to the same snapshot for non-finite steps only (no spike or rise in the window), when the last
+  one was for non-finite steps too and the weights are finite -> `rollback_declined` (`reason: repeat_nonfinite`),
+  skip only: restoring that snapshot at a lower LR was tried, the run recovered and came back to non-finite steps,
+  so they come from inputs the trained weights overflow on (fp16), not from an LR overshoot; a restore would only
+  drop the progress and cut the LR again (`benchmarks/rescue.py` fp16 seed 3: three restores of step 0 took the
+  factor to 0.016, 2.69x the clean loss). Spikes still escalate (their size follows the LR); non-finite weights
+  are still restored.
 * Not rewound: the data stream and the schedule (the event says how many good steps were dropped). Bad steps come
-  from the agreed `SkipGuard` verdicts, so every rank rolls back at the same step with no extra collective.
+  from the agreed `SkipGuard` verdicts, so every rank rolls back at the same step; the only collectives are the
+  check's and the weights-finite flag of a repeat, entered by every rank from that agreed state.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from pathlib import Path
+
+import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.lr_control import LRControl
@@ -77,6 +87,8 @@ class RollbackGuard(StabilityCallback):
         self._repeats = 0  # backoff exponent of the last rollback to the current snapshot (0: none yet)
         self._held_said = False
         self._bad: deque[int] = deque()
+        self._finite_bad: set[int] = set()  # bad steps in the window with a finite instability (spike, rise)
+        self._last_nonfinite = False  # the last rollback to the current snapshot came from non-finite steps only
         self._good_since = 0
         self._rollbacks = 0
         self._exhausted_said = False
@@ -94,6 +106,8 @@ class RollbackGuard(StabilityCallback):
             "rollbacks": self._rollbacks,
             "repeats": self._repeats,
             "held_said": self._held_said,
+            "finite_bad": sorted(self._finite_bad),
+            "last_nonfinite": self._last_nonfinite,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -102,6 +116,8 @@ class RollbackGuard(StabilityCallback):
         self._rollbacks = int(state.get("rollbacks", 0))
         self._repeats = int(state.get("repeats", 0))
         self._held_said = bool(state.get("held_said", False))
+        self._finite_bad = {int(s) for s in state.get("finite_bad", [])}
+        self._last_nonfinite = bool(state.get("last_nonfinite", False))
 
     @property
     def rollbacks(self) -> int:
@@ -120,6 +136,17 @@ class RollbackGuard(StabilityCallback):
         if self.snapshot_share is None:
             return self.snapshot_every
         return min(self.snapshot_every, max(self.snapshot_min_every, math.ceil(self.snapshot_share * step)))
+
+    def _clear_window(self) -> None:
+        self._bad.clear()
+        self._finite_bad.clear()
+
+    @staticmethod
+    def _weights_finite(args, optimizer) -> bool:
+        """Every parameter the optimizer updates is finite, on every rank (one collective)."""
+        params = optimizer_params(optimizer)
+        bad = any(not bool(torch.isfinite(p).all()) for p in params)
+        return not agree([float(bad)], collective_device(args))[0]
 
     # --- snapshot / restore -------------------------------------------------------------------------------
     def take_snapshot(self, step: int, optimizer, reset_counter: bool = True) -> None:
@@ -182,15 +209,17 @@ class RollbackGuard(StabilityCallback):
         if verdict is None or not verdict.skip:
             return
         self._bad.append(step)
+        if set(verdict.reasons) - {"nonfinite"}:
+            self._finite_bad.add(step)
         while self._bad and self._bad[0] <= step - self.window:
-            self._bad.popleft()
+            self._finite_bad.discard(self._bad.popleft())
         if len(self._bad) < self.bad_steps:
             return
         snap_step = self._store.step
         if self._repeats and self._good_since == 0:
             # Every step since the last restore was skipped: the weights and optimizer state are still the
             # snapshot's, and the LR was not used - restoring again would change nothing but the LR.
-            self._bad.clear()
+            self._clear_window()
             if not self._held_said:
                 self._held_said = True
                 self.event(
@@ -214,6 +243,26 @@ class RollbackGuard(StabilityCallback):
                     severity="error",
                 )
             return
+        nonfinite_only = not self._finite_bad
+        if self._repeats and self._last_nonfinite and nonfinite_only and self._weights_finite(args, optimizer):
+            # A restore of this snapshot at a lower LR was tried for non-finite steps, the run recovered from it
+            # (steps applied since) and reached non-finite steps again: restoring it once more cannot cure them
+            # (inputs that training at any LR leads to overflow, e.g. fp16), it would only drop the progress and
+            # cut the LR further. Non-finite steps were skipped and the weights are finite: skip only.
+            self._clear_window()
+            self.event(
+                step,
+                "rollback_declined",
+                f"{self.bad_steps} non-finite steps within {self.window}, again after the rollback to the snapshot "
+                f"of step {snap_step} and the steps applied since: restoring it again cannot cure them (inputs "
+                "the trained weights overflow on, not an LR overshoot). Every bad step was skipped, nothing to "
+                "undo, LR unchanged",
+                value=snap_step,
+                threshold=self.bad_steps,
+                severity="warning",
+                reason="repeat_nonfinite",
+            )
+            return
         checked = "not checked"
         if self._plan[1] and model is not None and not self._store.empty:
             snapshot = self._store.load()
@@ -231,7 +280,7 @@ class RollbackGuard(StabilityCallback):
             )
             del snapshot
             if damaged is False:
-                self._bad.clear()
+                self._clear_window()
                 self.skip_guard.after_bad_data()
                 now, snap = probes
                 self.event(
@@ -254,9 +303,10 @@ class RollbackGuard(StabilityCallback):
         # the backoff exponent grows when the run had recovered since the last rollback to this snapshot
         self._repeats += 1
         backoff = self.lr_backoff ** (self._repeats if self.escalate else 1)
+        self._last_nonfinite = nonfinite_only
         factor = self.lr_control.multiply("rollback", backoff)
         self._rollbacks += 1
-        self._bad.clear()
+        self._clear_window()
         self._good_since = 0
         self._rolled_back_at = step
         note = "" if with_state else " (optimizer changed since the snapshot: its state was reset)"
