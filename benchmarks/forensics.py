@@ -1,10 +1,16 @@
 """Spike-forensics benchmark: known bad records mixed into the embedded training file; does the quarantine find them?
 
-    python benchmarks/forensics.py                 # embedded default, 130 steps (about one epoch) per run
-    python benchmarks/forensics.py --records 600 --steps 42     # one epoch of a 600-record subset: quicker
+    python benchmarks/forensics.py                 # embedded default: 130 steps (one epoch of 2000 records) per run
+    python benchmarks/forensics.py --warm-steps 0 --records 600 --steps 42     # quicker, cold base
 
-Each run is the recipe itself (`scripts/finetune.py`, subprocess) on the embedded default with the training file
-replaced by a poisoned copy: the 2000 embedded records plus, at seeded random lines,
+The base. A mislabeled answer is only wrong to a model that knows the task: a pretrained LLM does, the embedded tiny
+base does not (its loss on a correct but hard answer is as high as on a wrong one). So by default the embedded base
+is first fine-tuned on the *clean* embedded file (``--warm-steps`` LoRA steps, its own seed, then merged) and every
+arm starts from that warm base - the position of a user fine-tuning a capable base. ``--warm-steps 0``: the cold
+embedded base.
+
+Each run is the recipe itself (`scripts/finetune.py`, subprocess) with the training file replaced by a poisoned
+copy: the embedded records plus, at seeded random lines,
 
 * ``garbage``   - random characters from several scripts as instruction and answer (byte noise after cleaning);
 * ``mislabeled`` - a record's question with the answer of a record of another task family;
@@ -14,9 +20,10 @@ replaced by a poisoned copy: the 2000 embedded records plus, at seeded random li
 Arms (same seed, same file): ``screen`` (``data.quarantine: auto``, ``data.screen: true``), ``auto`` (no
 screening: only bad steps are attributed), ``report`` (file only, keeps training on them) and ``plain`` (no
 monitors, guards or forensics). Reported per arm: the quarantine's precision and recall against the injected
-lines (per kind), eval loss; then the clean embedded file with screening on over ``--clean-seeds`` seeds
-(quarantined records = false positives) and screening's step-time overhead (train runtime, screen vs auto on the
-clean file: a wall-time ratio, noisy on a shared machine). The last line:
+lines (per kind), eval loss over the clean run's; bad steps attributed and their forensics' cost in steps. Then the
+clean file with screening on over ``--clean-seeds`` seeds (quarantined records = false positives), each next to the
+same seed without screening: screening's step-time overhead is the ratio of their summed train runtimes (the arms
+alternate, one run at a time: time nothing else on the machine meanwhile). The last line:
 
     quarantine_precision=… quarantine_recall=… screen_overhead=… clean_false_positives=…
 """
@@ -89,8 +96,8 @@ def poisoned_file(path: Path, seed: int, per_kind: int = 5, n: int | None = None
     return {k + 1: kind for k, (kind, _) in enumerate(lines) if kind is not None}
 
 
-def run(train_file: Path, out: Path, arm: str, seed: int, steps: int) -> dict:
-    """One recipe run; returns its quarantine entries, eval loss and train runtime."""
+def run(train_file: Path, out: Path, arm: str, seed: int, steps: int, base: Path | None = None) -> dict:
+    """One recipe run; returns its quarantine entries, eval loss, train runtime and attributed bad steps."""
     args = [
         sys.executable,
         str(ROOT / "scripts" / "finetune.py"),
@@ -109,6 +116,8 @@ def run(train_file: Path, out: Path, arm: str, seed: int, steps: int) -> dict:
         "--training.logging_steps",
         "10",
     ]
+    if base is not None:
+        args += ["--model.name_or_path", str(base)]
     if arm == "plain":
         args += [
             "--data.quarantine",
@@ -134,12 +143,31 @@ def run(train_file: Path, out: Path, arm: str, seed: int, steps: int) -> dict:
     runtime = next((h["train_runtime"] for h in state["log_history"] if "train_runtime" in h), time.time() - started)
     q = out / "quarantine.jsonl"
     entries = [json.loads(x) for x in q.read_text().splitlines() if x.strip()] if q.is_file() else []
+    ev = out / "stability_events.jsonl"
+    events = [json.loads(x) for x in ev.read_text().splitlines() if x.strip()] if ev.is_file() else []
     return {
         "entries": entries,
         "eval_loss": summary.get("eval_loss_after"),
         "runtime": float(runtime),
-        "steps": summary.get("train_steps"),
+        "steps": summary.get("train_steps") or steps,
+        "forensics_s": [e["seconds"] for e in events if e.get("kind") == "step_forensics" and "seconds" in e],
     }
+
+
+def warm_base(tmp: Path, clean: Path, steps: int) -> Path:
+    """The embedded base after `steps` LoRA steps on the clean file (seed 1000), merged: a base that does the tasks."""
+    out = tmp / "warm_run"
+    run(clean, out, "plain", 1000, steps)
+    code = (
+        "import sys, glob; from pathlib import Path\n"
+        "from peft import AutoPeftModelForCausalLM; from transformers import AutoTokenizer\n"
+        "src, dst = sys.argv[1], sys.argv[2]\n"
+        "AutoPeftModelForCausalLM.from_pretrained(src).merge_and_unload().save_pretrained(dst)\n"
+        "AutoTokenizer.from_pretrained(src).save_pretrained(dst)\n"
+    )
+    dst = tmp / "warm_base"
+    subprocess.run([sys.executable, "-c", code, str(out), str(dst)], check=True, cwd=ROOT, capture_output=True)
+    return dst
 
 
 def score(entries: list[dict], injected: dict[int, str]) -> dict:
@@ -165,42 +193,64 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per-kind", type=int, default=5)
     p.add_argument("--clean-seeds", type=int, default=3)
     p.add_argument("--records", type=int, default=None, help="use only the first N embedded records (shorter epochs)")
+    p.add_argument(
+        "--warm-steps", type=int, default=400, help="LoRA steps of the warm base on the clean file (0: cold)"
+    )
     p.add_argument("--arms", default="screen,auto,report,plain")
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="hf_stable_forensics_"))
     train = tmp / "train_poisoned.jsonl"
     injected = poisoned_file(train, a.seed, a.per_kind, a.records)
     clean = clean_file(tmp / "train_clean.jsonl", a.records)
+    base = None
+    if a.warm_steps:
+        started = time.time()
+        base = warm_base(tmp, clean, a.warm_steps)
+        print(f"warm base: {a.warm_steps} LoRA steps on the clean file, merged ({time.time() - started:.0f}s)")
     print(f"{len(injected)} bad records injected into {train} ({a.steps} steps per run)")
+    clean_ref = run(clean, tmp / "clean_plain", "plain", a.seed, a.steps, base)
+    print(f"  clean: eval loss {clean_ref['eval_loss']:.4f} (plain, clean file: the reference)")
     results = {}
     for arm in a.arms.split(","):
-        r = run(train, tmp / arm, arm, a.seed, a.steps)
+        r = run(train, tmp / arm, arm, a.seed, a.steps, base)
         results[arm] = r
         s = score(r["entries"], injected) if arm != "plain" else None
         kinds = " ".join(f"{k} {t}/{n}" for k, (t, n) in s["by_kind"].items()) if s else ""
+        step_s = r["runtime"] / max(r["steps"], 1)
+        cost = (
+            f"  bad steps attributed {len(r['forensics_s'])}, forensics {sum(r['forensics_s']) / len(r['forensics_s']) / step_s:.2f} steps each"
+            if r["forensics_s"]
+            else ""
+        )
         print(
-            f"{arm:>7}: eval loss {r['eval_loss']:.4f}  runtime {r['runtime']:.0f}s"
+            f"{arm:>7}: eval loss {r['eval_loss']:.4f} ({r['eval_loss'] / clean_ref['eval_loss']:.3f}x clean)"
             + (
                 f"  quarantined {s['quarantined']} (true {s['true']}) precision {s['precision']:.2f} "
                 f"recall {s['recall']:.2f}  [{kinds}]  false: {s['false'][:5]}"
                 if s
                 else ""
             )
+            + cost
         )
-    clean_fp, runtimes = [], {}
-    for k in range(a.clean_seeds):
-        r = run(clean, tmp / f"clean_screen_{k}", "screen", a.seed + k, a.steps)
-        clean_fp.append(len(r["entries"]))
-        runtimes.setdefault("screen", []).append(r["runtime"])
-        print(
-            f"clean seed {a.seed + k}: {len(r['entries'])} quarantined (screening on) "
-            f"{[e['where'] for e in r['entries']][:5]}"
-        )
-    r = run(clean, tmp / "clean_auto", "auto", a.seed, a.steps)
-    overhead = runtimes["screen"][0] / r["runtime"] if r["runtime"] else float("nan")
+        if arm == "auto":
+            print(
+                f"         without screening, {len(injected) - s['true']}/{len(injected)} bad records never caused a flagged step"
+            )
+    clean_fp, runtimes = [], {"screen": [], "auto": []}
+    for k in range(a.clean_seeds):  # the arms alternate: screen, auto, screen, auto, ...
+        for arm in ("screen", "auto"):
+            r = run(clean, tmp / f"clean_{arm}_{k}", arm, a.seed + k, a.steps, base)
+            runtimes[arm].append(r["runtime"])
+            if arm == "screen":
+                clean_fp.append(len(r["entries"]))
+                print(
+                    f"clean seed {a.seed + k}: {len(r['entries'])} quarantined (screening on) "
+                    f"{[(e['where'].rsplit('/', 1)[-1], e['reason']) for e in r['entries']][:5]}"
+                )
+    overhead = sum(runtimes["screen"]) / sum(runtimes["auto"]) if sum(runtimes["auto"]) else float("nan")
     print(
-        f"screen overhead (train runtime, clean file, seed {a.seed}): {overhead:.3f}x "
-        "(wall time on a possibly shared machine: noisy)"
+        f"screen overhead (train runtime, clean file, {a.clean_seeds} seeds, screen {sum(runtimes['screen']):.1f}s vs "
+        f"auto {sum(runtimes['auto']):.1f}s): {overhead:.3f}x"
     )
     s = (
         score(results["screen"]["entries"], injected)

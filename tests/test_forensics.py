@@ -216,3 +216,48 @@ def test_two_ranks_name_the_same_culprit_and_stay_identical(tmp_path):
     screened = [e for e in entries if e["reason"] == "prompt_mismatch"]
     assert screened and all(math.isfinite(e["evidence"]["prompt_gain"]) for e in screened)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_a_degenerate_answer_is_quarantined_before_the_first_step_and_never_trained_on(tmp_path, monkeypatch):
+    import hf_stable.callbacks.spike_forensics as sf
+    from hf_stable.data.identity import degenerate_answer
+
+    assert degenerate_answer({"instruction": "q", "output": "#" * 400}) < 0.1
+    assert degenerate_answer({"instruction": "q", "output": "An ordinary answer of several words. " * 3}) is None
+    assert degenerate_answer({"instruction": "q", "output": "#" * 40}) is None  # too short to tell
+
+    seen = []
+    screen = sf.SpikeForensics._screen_forward
+    monkeypatch.setattr(
+        sf.SpikeForensics,
+        "_screen_forward",
+        lambda self, kw, out, ids: (seen.extend(ids.tolist()), screen(self, kw, out, ids)),
+    )
+    idx = position_of(2)  # a record the sampler would yield at step 2
+    trainer, _, forensics = build(tmp_path, factor=1.0, poison_index=-1, forensics_kw={"screen": True})
+    forensics.records.degenerate = {idx: 0.035}
+    trainer.train()
+    entries = read_quarantine(tmp_path)
+    assert [(e["where"], e["reason"], e["step"], e["position"]) for e in entries] == [
+        (f"train.jsonl:{idx + 1}", "degenerate_answer", 0, 0)
+    ]
+    assert entries[0]["evidence"]["compression"] == 0.035
+    assert len(seen) == 16 * 4 - 2 and idx not in seen  # two epochs of 32 records, each without it
+
+
+def test_a_bad_steps_suspects_get_the_prompt_rule_when_screening(tmp_path, monkeypatch):
+    import hf_stable.callbacks.spike_forensics as sf
+
+    monkeypatch.setattr(sf, "prompt_gain", lambda model, sample, empty, args=None: 1.3)
+    idx = position_of(6)
+    trainer, skip, _ = build(
+        tmp_path,
+        factor=60.0,
+        poison_index=idx,
+        forensics_kw={"screen": True, "screen_every": 100, "suspect_zscore": -1e9, "suspect_excess_nats": -1e9},
+    )
+    trainer.train()
+    assert skip.skipped_steps == [6]
+    at_6 = [(e["where"], e["reason"]) for e in read_quarantine(tmp_path) if e["step"] == 6]
+    assert (f"train.jsonl:{idx + 1}", "loss_outlier") in at_6
+    assert len(at_6) == 4 and sum(r == "prompt_mismatch" for _, r in at_6) == 3  # every other sample, at most 4

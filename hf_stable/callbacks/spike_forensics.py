@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -83,8 +84,14 @@ class ForensicsConfig:
         default=3.0,
         metadata={"help": "Screening: a sample this far out (robust z) but short of a culprit is a suspect..."},
     )
+    suspect_excess_nats: float = field(
+        default=10.0,
+        metadata={
+            "help": "... with its loss above the step's median, summed over its tokens, at least this (nats)..."
+        },
+    )
     prompt_gain_min: float = field(
-        default=1.0,
+        default=0.9,
         metadata={
             "help": "... and a culprit when its answer's loss with its prompt is at least this fraction of the "
             "loss after an empty prompt (the prompt does not explain the answer)."
@@ -164,6 +171,13 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         tap = self._use_step_tap(model)
         if tap is not None and self.cfg.screen:
             tap.add_output_listener(self._screen_forward)
+        if self.cfg.screen and getattr(self.records, "degenerate", None):
+            # the same table on every rank (built from the data): an agreed list, named before any step
+            degenerate = [
+                Culprit(SampleRow(rid, math.nan, 0, math.nan, 0), "degenerate_answer", detail={"compression": ratio})
+                for rid, ratio in sorted(self.records.degenerate.items())
+            ]
+            self._quarantine(state.global_step, degenerate, math.nan, ["screen"])
 
     def on_step_begin(self, args, state, control, **kwargs):
         super().on_step_begin(args, state, control, **kwargs)
@@ -211,6 +225,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         return [x[3][0] for x in at_snap]
 
     def _attribute(self, step: int, step_reasons: list[str]) -> None:
+        started = time.perf_counter()
         device = next(self._model.parameters()).device
         try:
             per = local_sample_losses(self._model, self._tap, self._args)
@@ -251,6 +266,9 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             live = [r for r in rows if r.tokens > 0]
             norms = sample_grad_norms(self._model, params, self._tap, located, live, self._args)
             culprits = grad_outliers(live, norms, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel)
+        if self.cfg.screen and self._tap is not None:  # agreed: the gathered rows and the config
+            inputs = {(step, rid): (self._tap.inputs[mb][1], seg) for rid, (mb, seg) in located.items()}
+            culprits += [c for _, c in self._prompt_mismatches({step: (rows, culprits, med)}, inputs)]
         culprits = sorted(culprits, key=lambda c: -c.row.z)[: self.cfg.max_culprits]
         culprits = [c for c in culprits if c.row.record_id not in self.quarantine]
         if self.cfg.grad_norms and culprits and params is not None and not by_grad:
@@ -271,6 +289,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             step_reasons=step_reasons,
             samples=[[_where(self.records, r.record_id)[0], _num(r.loss), _num(x), _num(r.z)] for r, x in top[:32]],
             healthy=[_num(x) for x in list(self._reference)[-256:]],
+            seconds=round(time.perf_counter() - started, 4),  # the attribution's cost (re-runs, gathers)
         )
         self._quarantine(step, culprits, med, step_reasons)
 
@@ -350,8 +369,8 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         self._bad_steps = {b for b in self._bad_steps if b > step}
 
     def _prompt_mismatches(self, judged: dict, located: dict) -> list[tuple[int, Culprit]]:
-        """Suspects (robust z above `suspect_zscore` and `min_excess_nats` above the step's median, but short of
-        `min_rel`: e.g. a long degenerate answer the model half-learned) whose prompt does not explain their answer
+        """Suspects (robust z above `suspect_zscore`, `suspect_excess_nats` above the step's median, short of the
+        loss rule: e.g. a long degenerate answer the model half-learned, a short answer of another question) whose prompt does not explain their answer
         (`prompt_gain` at least `prompt_gain_min`): re-run by the rank holding them, summed over ranks. Every rank
         enters the reduce: the suspects come from the gathered table."""
         named = {c.row.record_id for _, cs, _ in judged.values() for c in cs}
@@ -362,7 +381,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
                 for r in rows
                 if math.isfinite(r.z)
                 and r.z > self.cfg.suspect_zscore
-                and (r.loss - med) * r.tokens >= self.cfg.min_excess_nats
+                and (r.loss - med) * r.tokens >= self.cfg.suspect_excess_nats
                 and r.record_id not in named
                 and r.record_id not in self.quarantine
             ),
@@ -374,7 +393,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         gains = torch.zeros(len(suspects), dtype=torch.float64, device=device)
         empty = getattr(self.records, "empty_prompt", None) or []
         me = rank()
-        with self._tap.paused() if self._tap is not None else contextlib.nullcontext():
+        with self._tap.replaying() if self._tap is not None else contextlib.nullcontext():  # RNG forked
             for k, (_, s, r) in enumerate(suspects):
                 where = located.get((s, r.record_id)) if r.rank == me else None
                 sample = single_sample_inputs(where[0], where[1]) if where is not None else None
@@ -412,6 +431,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
                 "prompt_gain": c.prompt_gain,
                 "step_reasons": step_reasons,
             }
+            evidence.update(c.detail)
             evidence = {k: _num(v) if isinstance(v, float) else v for k, v in evidence.items()}
             entry = Entry(
                 record_id=c.row.record_id,
@@ -425,7 +445,13 @@ class SpikeForensics(StepTapUser, StabilityCallback):
                 position=position,
             )
             if self.quarantine.add(entry):
-                names.append(f"{where} ({c.reason}, loss {c.row.loss:.4g}, z {c.row.z:.3g})")
+                told = (
+                    f"compresses to {c.detail['compression']:.3g}"
+                    if "compression" in c.detail
+                    else f"loss {c.row.loss:.4g}, z {c.row.z:.3g}"
+                    + (f", prompt gain {c.prompt_gain:.3g}" if math.isfinite(c.prompt_gain) else "")
+                )
+                names.append(f"{where} ({c.reason}, {told})")
         if names:
             action = (
                 "never sampled again" if self.cfg.quarantine == "auto" else "reported only (data.quarantine: report)"

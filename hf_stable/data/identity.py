@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from hf_stable.data.prompts import answer_text
 from hf_stable.errors import DataError
 
 PREVIEW_CHARS = 80
+# a degenerate answer: at least this long and compressing to under this fraction of its UTF-8 size (one character
+# or a short phrase repeated; ordinary prose compresses to ~0.4-0.6, repetitive code or tables to ~0.2)
+DEGENERATE_MIN_CHARS = 64
+DEGENERATE_MAX_RATIO = 0.1
 
 
 def record_hash(obj: dict) -> str:
@@ -41,6 +46,22 @@ def record_preview(obj: dict, limit: int = PREVIEW_CHARS) -> str:
     text = "".join(c if c.isprintable() else " " for c in text)
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def compression_ratio(text: str) -> float:
+    """zlib-compressed size over the UTF-8 size of `text` (1.0 for an empty text)."""
+    raw = text.encode("utf-8", "surrogatepass")
+    return len(zlib.compress(raw, 9)) / len(raw) if raw else 1.0
+
+
+def degenerate_answer(obj: dict) -> float | None:
+    """The compression ratio of the record's answer when it is degenerate (a repetition filter in the manner of
+    the Gopher rules, Rae et al. 2021), else None."""
+    text = answer_text(obj)
+    if len(text) < DEGENERATE_MIN_CHARS:
+        return None
+    ratio = compression_ratio(text)
+    return ratio if ratio < DEGENERATE_MAX_RATIO else None
 
 
 @dataclass(frozen=True)
@@ -64,15 +85,24 @@ class RecordTable:
         'train.jsonl:4'
     """
 
-    def __init__(self, infos: list[RecordInfo] | None = None, empty_prompt: list[int] | None = None):
+    def __init__(
+        self,
+        infos: list[RecordInfo] | None = None,
+        empty_prompt: list[int] | None = None,
+        degenerate: dict[int, float] | None = None,
+    ):
         self.infos: list[RecordInfo] = list(infos or [])
+        self.degenerate: dict[int, float] = dict(degenerate or {})  # record id -> compression ratio of its answer
         # token ids of the prompt template around an empty question: the context of the screening's
         # "does the prompt explain the answer" re-run (`hf_stable.forensics.attribution.prompt_gain`)
         self.empty_prompt: list[int] = list(empty_prompt or [])
 
     @classmethod
     def from_records(cls, records, empty_prompt: list[int] | None = None) -> RecordTable:
-        return cls([RecordInfo(r.where, record_hash(r.data), record_preview(r.data)) for r in records], empty_prompt)
+        records = list(records)
+        degenerate = {k: x for k, r in enumerate(records) if (x := degenerate_answer(r.data)) is not None}
+        infos = [RecordInfo(r.where, record_hash(r.data), record_preview(r.data)) for r in records]
+        return cls(infos, empty_prompt, degenerate)
 
     def __len__(self) -> int:
         return len(self.infos)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,9 +51,10 @@ class SampleRow:
 @dataclass
 class Culprit:
     row: SampleRow
-    reason: str  # "nonfinite_loss" | "loss_outlier" | "screen_outlier" | "grad_outlier" | "prompt_mismatch"
+    reason: str  # nonfinite_loss | loss_outlier | screen_outlier | grad_outlier | prompt_mismatch | degenerate_answer
     grad_norm: float = math.nan
     prompt_gain: float = math.nan  # loss with the prompt / loss with an empty prompt (see `prompt_gain`)
+    detail: dict = field(default_factory=dict)  # more evidence, e.g. a degenerate answer's compression ratio
 
 
 def robust_stats(values: list[float]) -> tuple[float, float]:

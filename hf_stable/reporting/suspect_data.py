@@ -24,7 +24,7 @@ def _cell(text) -> str:
 
 
 def _evidence(ev: dict) -> str:
-    parts = [f"loss {_num(ev.get('loss')):.4g}"]
+    parts = [] if math.isnan(_num(ev.get("loss"))) else [f"loss {_num(ev.get('loss')):.4g}"]
     if math.isfinite(_num(ev.get("step_median"))):
         parts.append(f"step median {_num(ev['step_median']):.3g}")
     z = _num(ev.get("z"))
@@ -36,6 +36,10 @@ def _evidence(ev: dict) -> str:
     snap = _num(ev.get("loss_at_snapshot"))
     if not math.isnan(snap):
         parts.append(f"at snapshot {snap:.3g}")
+    for key, label in (("prompt_gain", "prompt gain"), ("compression", "compresses to")):
+        x = _num(ev.get(key))
+        if not math.isnan(x):
+            parts.append(f"{label} {x:.3g}")
     return ", ".join(parts)
 
 
