@@ -157,3 +157,42 @@ def test_switch_back_to_adamw_keeps_the_factorys_betas_eps_and_fp16_guard(tmp_pa
     with pytest.warns(UserWarning, match="fp16_eps_min"):
         fp16.switch(1)
     assert fp16.param_groups[0]["eps"] == cfg.fp16_eps_min
+
+
+def _graft_run(grad_scale: float, match: float | None = 1.0):
+    """AdamW for 30 noisy steps, then SGD and Lion with `lr_scale: null` (match); update RMS per group per phase."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(64, 16)), torch.nn.Parameter(torch.zeros(32))]
+    signal = [torch.randn(p.shape, generator=gen) for p in params]
+    groups = [{"params": [params[0]], "lr": 1e-2, "weight_decay": 0.0}, {"params": [params[1]], "lr": 4e-2}]
+    opt = PhasedOptimizer(torch.optim.AdamW(groups, weight_decay=0.0), ["adamw", "sgd", "lion"], OptimConfig())
+
+    def step() -> list[float]:
+        before = [p.detach().clone() for p in params]
+        for p, s in zip(params, signal, strict=True):
+            p.grad = grad_scale * (s + 2.0 * torch.randn(p.shape, generator=gen))
+        opt.step()
+        return [float((p.detach() - b).pow(2).mean().sqrt()) for p, b in zip(params, before, strict=True)]
+
+    for _ in range(30):
+        adamw = step()
+    opt.switch(1, match=match)
+    sgd = step()
+    opt.switch(2, match=match)
+    lion = step()
+    return adamw, sgd, lion, opt, params
+
+
+def test_matched_phase_steps_as_far_as_the_phase_before_whatever_the_gradient_scale():
+    """A fixed SGD multiplier steps gradient-scale times too far or too short; `lr_scale: null` grafts the previous
+    optimizer's step size per group, so SGD and Lion continue at AdamW's step (which ignores the gradient scale)."""
+    for grad_scale in (1e-3, 1.0, 1e3):
+        adamw, sgd, lion, opt, params = _graft_run(grad_scale)
+        for i in range(2):  # per group: the groups' LRs differ 4x
+            assert 0.7 < sgd[i] / adamw[i] < 1.4, (grad_scale, i, adamw, sgd)
+            assert 0.7 < lion[i] / sgd[i] < 1.4, (grad_scale, i, sgd, lion)
+        assert [g["lr"] for g in opt.param_groups] == [1e-2, 4e-2]  # the multiplier never leaks into the LR
+    saved = opt.state_dict()
+    fresh = PhasedOptimizer(torch.optim.AdamW([{"params": [p]} for p in params]), ["adamw", "sgd", "lion"])
+    fresh.load_state_dict(saved)  # a resume restores the phase's multipliers
+    assert fresh.phase == 2 and fresh.graft == opt.graft and opt.graft[0] != 1.0
