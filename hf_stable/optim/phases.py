@@ -5,9 +5,8 @@ be replaced mid-run. `PhasedOptimizer` is that object from the start: a thin `to
 `param_groups`, `state`, `step` and `zero_grad` are those of an inner optimizer that `switch()` replaces in
 place. The new inner optimizer gets the same groups in the same order — the factory's roles, names, per-group LR
 (LLRD, LoRA+), `initial_lr` and weight decay — so the scheduler keeps scaling each group from its own base LR;
-optimizer-specific keys (betas, eps, momentum ...) are the new optimizer's own. A phase's numeric `lr_scale` is
-the `phase` factor of `LRControl`; `lr_scale: null` (the default's SGD and Lion) matches the step size instead
-(below).
+optimizer-specific keys (betas, eps, momentum ...) are the new optimizer's own. A phase's `lr_scale` is the
+`phase` factor of `LRControl` (Lion wants a smaller LR, SGD a larger one).
 
 State policy at a switch (`state_policy`):
 
