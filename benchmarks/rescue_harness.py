@@ -74,7 +74,7 @@ def hf_config(arm: str, steps: int):
         data = {"stability": {"guards": {"snr": {"enabled": True, "interval": max(1, steps // 10)}}}}
     elif arm == "hf_qkclip":
         data = {"attention": {"qk_clip": True, "qk_clip_tau": QK_TAU}}
-    elif arm == "hf_phases":  # the default phases (boundaries 500 / 2000 steps at the same fractions of our run)
+    elif arm == "hf_phases":  # the default phase boundaries (500 / 2000 steps) at the same fractions of our run
         data = {
             "stability": {
                 "guards": {
@@ -82,8 +82,8 @@ def hf_config(arm: str, steps: int):
                         "enabled": True,
                         "phases": [
                             {"name": "adamw", "until_step": steps // 5},
-                            {"name": "sgd", "until_step": 4 * steps // 5, "lr_scale": None},  # as the default
-                            {"name": "lion", "lr_scale": None},
+                            {"name": "sgd", "until_step": 4 * steps // 5, "lr_scale": 10.0},
+                            {"name": "lion", "lr_scale": 0.3},
                         ],
                     }
                 }

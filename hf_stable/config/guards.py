@@ -264,13 +264,7 @@ class PhaseConfig:
     until_dloss_below: float | None = field(
         default=None, metadata=_h("... or when the EMA of |loss[t] - loss[t-1]| falls below this.")
     )
-    lr_scale: float | None = field(
-        default=1.0,
-        metadata=_h(
-            "LR factor while this phase runs; null = match: the new optimizer's step size is grafted from the "
-            "previous phase's update at the switch (per param group; SGD/Lion, not a fresh AdamW)."
-        ),
-    )
+    lr_scale: float = field(default=1.0, metadata=_h("LR factor while this phase runs (Lion ~0.3, SGD larger)."))
 
     def validate(self) -> list[str]:
         out: list[str] = []
@@ -281,8 +275,8 @@ class PhaseConfig:
 def _default_phases() -> list[PhaseConfig]:
     return [
         PhaseConfig("adamw", until_step=500),
-        PhaseConfig("sgd", until_step=2000, lr_scale=None),
-        PhaseConfig("lion", lr_scale=None),
+        PhaseConfig("sgd", until_step=2000, lr_scale=10.0),
+        PhaseConfig("lion", lr_scale=0.3),
     ]
 
 

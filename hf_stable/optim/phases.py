@@ -16,19 +16,7 @@ State policy at a switch (`state_policy`):
   an SGD buffer seeds `exp_avg` the other way round. AdamW always starts fresh: its bias correction assumes
   zero-initialised moments, and a second moment cannot be made up.
 
-Step size at a switch (`match`): the optimizers' update directions differ in size - AdamW's m/sqrt(v) has an RMS
-of ~0.2-0.5 late in a fine-tune, Lion's sign() exactly 1, SGD's momentum the gradient's own scale - so a fixed LR
-multiplier per optimizer (SGD x10, Lion x0.3) is right for one run and wrong for the next (on the rescue
-benchmark's clean LoRA run SGD x10 stepped 2.3x smaller than the AdamW it replaced). A phase with `lr_scale: null`
-instead grafts the step size of the phase before onto its own direction (learning-rate grafting: Agarwal et al.,
-"Disentangling Adaptive Gradient Methods from Learning Rates", arXiv 2002.11803), once, at the switch: per param
-group, the new optimizer's LR is multiplied by RMS(previous update) / RMS(new direction), both estimated from the
-optimizer state at the switch (AdamW m_hat/(sqrt(v_hat)+eps), SGD's momentum buffer, Lion's sign(exp_avg) - the new
-one from the carried first moment). The schedule still decays the LR on top. The multiplier is fixed for the
-phase, applied inside `step()` and kept in `state_dict()`; it is 1 for a fresh AdamW (the reference scale) or when a
-side cannot be estimated (SGD without momentum, a group with no state yet).
-
-Resumable: `state_dict()` holds the phase index, the grafting multipliers and the inner optimizer's state, so the Trainer's own checkpoint
+Resumable: `state_dict()` holds the phase index and the inner optimizer's state, so the Trainer's own checkpoint
 (optimizer.pt) restores the right optimizer; the guard's trigger state rides in the callback state
 (`callbacks/guards/optimizer_phase_guard.py`). Switches are
 decided from `global_step` or from the per-step loss that `GradStats` already sums over ranks, so every rank
@@ -116,7 +104,6 @@ class PhasedOptimizer(torch.optim.Optimizer):
         self.state_policy = state_policy
         self.phase = 0
         self.current = first
-        self.graft: list[float] = [1.0] * len(first.param_groups)  # per-group LR multiplier of this phase (match)
         init_optimizer_hooks(self)
         self._sync()
 
@@ -129,16 +116,7 @@ class PhasedOptimizer(torch.optim.Optimizer):
         return f"PhasedOptimizer(phase {self.phase}: {self.names[self.phase]}, {type(self.current).__name__})"
 
     def step(self, closure: Callable | None = None):
-        if all(g == 1.0 for g in self.graft):
-            return self.current.step(closure)
-        lrs = [group["lr"] for group in self.param_groups]
-        for group, g, lr in zip(self.param_groups, self.graft, lrs, strict=False):
-            group["lr"] = lr * g
-        try:
-            return self.current.step(closure)
-        finally:  # the scheduler and LRControl see their own LR again
-            for group, lr in zip(self.param_groups, lrs, strict=False):
-                group["lr"] = lr
+        return self.current.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.current.zero_grad(set_to_none=set_to_none)
@@ -147,7 +125,7 @@ class PhasedOptimizer(torch.optim.Optimizer):
         self.current.add_param_group(param_group)
 
     def state_dict(self) -> dict:
-        return {"phase": self.phase, "graft": list(self.graft), "inner": self.current.state_dict()}
+        return {"phase": self.phase, "inner": self.current.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "inner" not in state_dict:  # a plain optimizer's state (phase 0)
@@ -156,15 +134,10 @@ class PhasedOptimizer(torch.optim.Optimizer):
             if int(state_dict["phase"]) != self.phase:
                 self.switch(int(state_dict["phase"]), policy="reset")
             self.current.load_state_dict(state_dict["inner"])
-            self.graft = [float(g) for g in state_dict.get("graft", [1.0] * len(self.current.param_groups))]
         self._sync()  # torch's load_state_dict builds a new param_groups list
 
-    def switch(self, phase: int, policy: str | None = None, match: float | None = None) -> None:
-        """Replace the inner optimizer by phase `phase`'s, keeping groups (and, per policy, the momentum).
-
-        `match`: graft the previous phase's step size onto the new optimizer (module docstring); the number is the
-        previous phase's LR factor (its `lr_scale`), which the new phase no longer applies. None: no grafting.
-        """
+    def switch(self, phase: int, policy: str | None = None) -> None:
+        """Replace the inner optimizer by phase `phase`'s, keeping groups (and, per policy, the momentum)."""
         policy = policy or self.state_policy
         old = self.current
         groups = [
@@ -172,13 +145,6 @@ class PhasedOptimizer(torch.optim.Optimizer):
             for g in old.param_groups
         ]
         new = make_optimizer(self.names[phase], groups, self.optim_cfg, self.hyperparameters)
-        graft = [1.0] * len(new.param_groups)
-        if match is not None and self.names[phase] != "adamw":
-            for i, (g_old, g_new) in enumerate(zip(old.param_groups, new.param_groups, strict=True)):
-                before = _update_rms(old, g_old)
-                after = _direction_rms(self.names[phase], old, g_new)
-                if before and after:
-                    graft[i] = match * self.graft[i] * before / after
         if policy == "carry_momentum" and self.names[phase] != "adamw":
             with torch.no_grad():
                 for group in new.param_groups:
@@ -190,46 +156,8 @@ class PhasedOptimizer(torch.optim.Optimizer):
                             new.state[p]["exp_avg"] = m.clone()
                         elif group.get("momentum", 0.0) > 0:
                             new.state[p]["momentum_buffer"] = m / (1 - group["momentum"])
-        self.current, self.phase, self.graft = new, phase, graft
+        self.current, self.phase = new, phase
         self._sync()
-
-
-def _rms(tensors: list[torch.Tensor]) -> float | None:
-    if not tensors:
-        return None
-    total = sum(float(t.float().pow(2).sum()) for t in tensors)
-    count = sum(t.numel() for t in tensors)
-    return (total / count) ** 0.5 if count else None
-
-
-@torch.no_grad()
-def _update_rms(opt: torch.optim.Optimizer, group: dict) -> float | None:
-    """RMS of `opt`'s update direction over `group` (times the LR gives its step), from its state; None if unknown."""
-    dirs = []
-    for p in group["params"]:
-        s = opt.state.get(p, {})
-        if "exp_avg_sq" in s:  # AdamW: bias-corrected m / (sqrt(v) + eps)
-            b1, b2 = group["betas"]
-            t = float(s["step"])
-            m_hat = s["exp_avg"] / (1 - b1**t)
-            dirs.append(m_hat / ((s["exp_avg_sq"] / (1 - b2**t)).sqrt() + group["eps"]))
-        elif "exp_avg" in s:  # Lion: sign of the interpolated momentum (the state's exp_avg stands for it)
-            dirs.append(torch.sign(s["exp_avg"]))
-        elif s.get("momentum_buffer") is not None:  # SGD with momentum: the buffer is the step direction
-            dirs.append(s["momentum_buffer"])
-    return _rms(dirs)
-
-
-@torch.no_grad()
-def _direction_rms(name: str, old: torch.optim.Optimizer, group: dict) -> float | None:
-    """RMS of optimizer `name`'s direction over `group` at the switch, from the previous optimizer's first moment."""
-    moments = [m for m in (_first_moment(old, p) for p in group["params"]) if m is not None]
-    if not moments:
-        return None
-    if name == "lion":
-        return _rms([torch.sign(m) for m in moments])
-    mu = group.get("momentum", 0.0)
-    return _rms(moments) / (1 - mu) if mu > 0 else None  # SGD: the buffer settles at the mean gradient / (1 - mu)
 
 
 _NAME_OF = {"AdamW": "adamw", "SGD": "sgd", "Lion": "lion"}

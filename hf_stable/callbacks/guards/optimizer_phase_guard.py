@@ -91,13 +91,8 @@ class OptimizerPhaseGuard(StepTapUser, StabilityCallback):
                 f"PhasedOptimizer(first_optimizer, {names}) passed as Trainer(optimizers=(opt, None))"
             )
         self._optimizer = opt
-        self.lr_control.set_factor("phase", self._factor(opt.phase))
+        self.lr_control.set_factor("phase", self.phases[opt.phase].lr_scale)
         self._use_step_tap(model)
-
-    def _factor(self, phase: int) -> float:
-        """The `phase` LR factor of a phase (1 for a grafted one: its multiplier lives in the optimizer)."""
-        scale = self.phases[phase].lr_scale
-        return 1.0 if scale is None else scale
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self.enabled and model is not None:
@@ -110,14 +105,8 @@ class OptimizerPhaseGuard(StepTapUser, StabilityCallback):
         opt = self._optimizer
         if self.enabled and opt is not None and self.due(opt.phase, state.global_step):
             old = opt.names[opt.phase]
-            grafted = self.phases[opt.phase + 1].lr_scale is None
-            opt.switch(opt.phase + 1, match=self._factor(opt.phase) if grafted else None)
-            self.lr_control.set_factor("phase", self._factor(opt.phase))
-            scale = (
-                "LR grafted from the previous update size (x" + "/".join(f"{g:.3g}" for g in opt.graft) + ")"
-                if grafted
-                else f"LR factor {self._factor(opt.phase):g}"
-            )
+            opt.switch(opt.phase + 1)
+            self.lr_control.set_factor("phase", self.phases[opt.phase].lr_scale)
             why = (
                 f"step {state.global_step} reached"
                 if self.phases[opt.phase - 1].until_step is not None
@@ -128,7 +117,7 @@ class OptimizerPhaseGuard(StepTapUser, StabilityCallback):
                 state.global_step,
                 "optimizer_switch",
                 f"optimizer {old} -> {opt.names[opt.phase]} after step {state.global_step} ({why}); state "
-                f"policy {opt.state_policy}; {scale}",
+                f"policy {opt.state_policy}; LR factor {self.phases[opt.phase].lr_scale:g}",
                 value=opt.phase,
                 severity="info",
                 previous=old,
