@@ -222,7 +222,7 @@ class SNRConfig:
     )
     high_ratio: float = field(
         default=1.5,
-        metadata=_h("current / EMA above this (far outside the band: healthy runs stay within 0.9-1.22) ..."),
+        metadata=_h("current / EMA above this (far outside the band: healthy runs stay within 0.86-1.23) ..."),
     )
     decrease: float = field(default=0.8, metadata=_h("... multiplies the LR factor by this."))
     recover_ratio: float = field(
