@@ -179,8 +179,11 @@ def test_recipe_runs_batch_warmup_snr_and_optimizer_phases_together_for_200_step
     assert [h["batch/accumulation"] for h in history if "batch/accumulation" in h][-1] == 4
     switches = [e["message"] for e in events if e["kind"] == "optimizer_switch"]
     assert len(switches) == 2 and "adamw -> sgd" in switches[0] and "sgd -> lion" in switches[1]
-    assert [e["step"] for e in events if e["kind"] == "lr_adjusted"], "the SNR rule never changed the LR"
-    assert sum("lr/snr_ratio" in h for h in history) >= 5  # checked every 20 steps, logged
+    ratios = [h["lr/snr_ratio"] for h in history if "lr/snr_ratio" in h]
+    assert len(ratios) >= 5  # checked every 20 steps (once the EMA has history), logged
+    # the SNR rule cuts the LR only far outside the healthy band (> 1.5) and never lifts it above the schedule
+    adjusted = [e["factor"] for e in events if e["kind"] == "lr_adjusted"]
+    assert bool(adjusted) == any(r > 1.5 for r in ratios) and all(f <= 1.0 for f in adjusted)
     losses = [h["loss"] for h in history if "loss" in h]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learned through every phase and accumulation change

@@ -206,7 +206,41 @@ def test_snr_factor_moves_and_is_clamped():
     assert lr.factor("snr") == pytest.approx(0.5)  # clamped
     for step in range(100, 300):
         snr.observe(step, 0.1 if step % 10 == 0 else 1.0)
-    assert lr.factor("snr") == pytest.approx(1.5)
+    assert lr.factor("snr") == pytest.approx(1.0)  # max_factor 1: back to the schedule, never above
+    above = SNRGuard(LRControl(), interval=10, current_window=1, max_factor=1.5)
+    for step in range(1, 300):
+        above.observe(step, 0.1 if step % 10 == 0 else 1.0)
+    assert above.lr_control.factor("snr") == pytest.approx(1.5)  # an explicit max_factor > 1 lifts it
+
+
+def test_snr_leaves_a_healthy_lora_run_alone():
+    """A clean LoRA fine-tune: the norm grows over the first steps (B starts at zero, LR warmup), then wanders in
+    band (0.9-1.2x). The old rule checked at steps 10 and 20 against an EMA still near the first norm (ratio
+    ~1.5) and cut the LR to 0.64; a check now waits for the EMA's history and acts only far outside the band."""
+    lr = LRControl()
+    snr = SNRGuard(lr, interval=10)
+    assert snr.warmup == 30  # 1 / (1 - 0.95) + current_window 10
+    for step in range(1, 201):
+        norm = 0.2 + 0.8 * step / 25 if step <= 25 else 1.0 + 0.15 * math.sin(step / 3)
+        snr.observe(step, norm)
+    assert lr.factor("snr") == 1.0 and snr.events == []
+
+
+def test_snr_lowers_on_a_surge_and_recovers_to_the_schedule_not_above():
+    lr = LRControl()
+    snr = SNRGuard(lr, interval=10, current_window=5)
+    for step in range(1, 51):
+        snr.observe(step, 1.0)
+    for step in range(51, 61):  # the norm triples: far outside the band
+        snr.observe(step, 3.0)
+    assert lr.factor("snr") == pytest.approx(0.8)
+    factors = []
+    for step in range(61, 201):  # back in band
+        snr.observe(step, 1.0)
+        factors.append(lr.factor("snr"))
+    assert factors[-1] == 1.0 and max(factors) == 1.0  # recovered, never above the schedule
+    kinds = [e["kind"] for e in snr.events]
+    assert kinds == ["lr_adjusted"] * len(kinds) and len(kinds) >= 3  # one cut, then the steps back up
 
 
 # --- config and wiring --------------------------------------------------------------------------------------------

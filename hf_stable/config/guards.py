@@ -220,12 +220,21 @@ class SNRConfig:
     current_window: int = field(
         default=10, metadata=_h("The 'current' norm is the mean of the last N steps (1 = the literal last step).")
     )
-    high_ratio: float = field(default=1.3, metadata=_h("current / EMA above this ..."))
+    high_ratio: float = field(
+        default=1.5,
+        metadata=_h("current / EMA above this (far outside the band: healthy runs stay within 0.86-1.23) ..."),
+    )
     decrease: float = field(default=0.8, metadata=_h("... multiplies the LR factor by this."))
+    recover_ratio: float = field(
+        default=1.1,
+        metadata=_h("With the factor below 1, current / EMA below this (back in band) multiplies it by `increase`."),
+    )
     low_ratio: float = field(default=0.7, metadata=_h("current / EMA below this ..."))
-    increase: float = field(default=1.1, metadata=_h("... multiplies the LR factor by this."))
+    increase: float = field(default=1.1, metadata=_h("... multiplies the LR factor by this (up to max_factor)."))
     min_factor: float = field(default=0.1, metadata=_h("The SNR factor is clamped to [min_factor, max_factor]."))
-    max_factor: float = field(default=1.5, metadata=_h("Upper clamp of the SNR factor."))
+    max_factor: float = field(
+        default=1.0, metadata=_h("Upper clamp of the SNR factor (1 = never above the scheduled LR).")
+    )
 
     def validate(self) -> list[str]:
         out: list[str] = []
@@ -234,6 +243,11 @@ class SNRConfig:
         check_unit_interval(self, ("ema_beta",), out)
         if not 0 < self.low_ratio < 1 < self.high_ratio:
             out.append(f"low_ratio/high_ratio: got {self.low_ratio}/{self.high_ratio}, need 0 < low < 1 < high")
+        if not self.low_ratio <= self.recover_ratio < self.high_ratio:
+            out.append(
+                f"recover_ratio: got {self.recover_ratio}, need low_ratio ({self.low_ratio}) <= recover_ratio < "
+                f"high_ratio ({self.high_ratio})"
+            )
         if not 0 < self.decrease < 1 < self.increase:
             out.append(f"decrease/increase: got {self.decrease}/{self.increase}, need 0 < decrease < 1 < increase")
         if not 0 < self.min_factor <= 1 <= self.max_factor:
