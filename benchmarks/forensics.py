@@ -196,14 +196,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--warm-steps", type=int, default=400, help="LoRA steps of the warm base on the clean file (0: cold)"
     )
+    p.add_argument("--base", type=Path, default=None, help="a warm base built earlier (skips the warm-up runs)")
     p.add_argument("--arms", default="screen,auto,report,plain")
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="hf_stable_forensics_"))
     train = tmp / "train_poisoned.jsonl"
     injected = poisoned_file(train, a.seed, a.per_kind, a.records)
     clean = clean_file(tmp / "train_clean.jsonl", a.records)
-    base = None
-    if a.warm_steps:
+    base = a.base
+    if base is None and a.warm_steps:
         started = time.time()
         base = warm_base(tmp, clean, a.warm_steps)
         print(f"warm base: {a.warm_steps} LoRA steps on the clean file, merged ({time.time() - started:.0f}s)")
