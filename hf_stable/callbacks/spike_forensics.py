@@ -138,6 +138,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         self._step = 0
         self._bad_steps: set[int] = set()
         self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, dict]] = []
+        self.screen_seconds = 0.0
 
     def attach(self, callbacks) -> SpikeForensics:
         """Listen to the skip guard among `callbacks` (and read the rollback guard's snapshot); returns self."""
@@ -154,11 +155,16 @@ class SpikeForensics(StepTapUser, StabilityCallback):
 
     # --- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {**self.quarantine.state_dict(), "reference": list(self._reference)}
+        return {
+            **self.quarantine.state_dict(),
+            "reference": list(self._reference),
+            "screen_seconds": round(self.screen_seconds, 4),  # screening's own work so far (its step-time cost)
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.quarantine.load_state_dict(state)
         self._reference = deque((float(x) for x in state.get("reference", [])), maxlen=self.cfg.window)
+        self.screen_seconds = float(state.get("screen_seconds", 0.0))
 
     # --- Trainer hooks -------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -188,7 +194,9 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             step = state.global_step
             # rank-agreed: the step number and the Trainer's save/stop flags (set identically on every rank)
             if step % self.cfg.screen_every == 0 or control.should_save or control.should_training_stop:
+                started = time.perf_counter()
                 self._flush_screen(step)
+                self.screen_seconds += time.perf_counter() - started
         super().on_step_end(args, state, control, **kwargs)
 
     # --- attribution of a bad step -------------------------------------------------------------------------
@@ -299,10 +307,12 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         labels = kwargs.get("labels")
         if record_ids is None or logits is None or not isinstance(labels, torch.Tensor):
             return
+        started = time.perf_counter()
         with torch.no_grad():
             loss, count = per_sample_loss(logits.detach(), labels, kwargs.get("position_ids"), len(record_ids))
         kept = {k: v for k, v in kwargs.items() if k in SAMPLE_KEYS and isinstance(v, torch.Tensor)}
         self._buffer.append((self._step, record_ids.to(loss.device), loss, count, kept))
+        self.screen_seconds += time.perf_counter() - started  # on an accelerator: launch time only (no sync here)
 
     def _flush_screen(self, step: int) -> None:
         device = next(self._model.parameters()).device if self._model is not None else torch.device("cpu")
