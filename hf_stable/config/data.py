@@ -57,8 +57,9 @@ class DataConfig:
     screen: bool = field(
         default=False,
         metadata={
-            "help": "Screen every step's per-sample losses for robust outliers (on device, decisions batched) "
-            "and send them through the same attribution and quarantine."
+            "help": "Screen every step's per-sample losses for robust outliers (on device, decisions batched), "
+            "re-run suspects with and without their prompt (prompt_mismatch), quarantine degenerate answers before "
+            "the first step, all through the same quarantine. For a base that follows prompts."
         },
     )
     audit: bool = field(default=True, metadata={"help": "Run the data audit before training (saved in output)."})
