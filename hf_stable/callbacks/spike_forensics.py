@@ -91,10 +91,10 @@ class ForensicsConfig:
         },
     )
     prompt_gain_min: float = field(
-        default=0.9,
+        default=1.3,
         metadata={
-            "help": "... and a culprit when its answer's loss with its prompt is at least this fraction of the "
-            "loss after an empty prompt (the prompt does not explain the answer)."
+            "help": "... and a culprit when its answer's loss with its prompt is at least this multiple of its "
+            "loss after an empty prompt (above 1: the prompt makes the answer less likely)."
         },
     )
     max_suspects: int = field(default=8, metadata={"help": "Suspects re-run per screening decision (highest z)."})
