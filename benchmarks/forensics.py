@@ -143,7 +143,7 @@ def run(train_file: Path, out: Path, arm: str, seed: int, steps: int, base: Path
     runtime = next((h["train_runtime"] for h in state["log_history"] if "train_runtime" in h), time.time() - started)
     q = out / "quarantine.jsonl"
     entries = [json.loads(x) for x in q.read_text().splitlines() if x.strip()] if q.is_file() else []
-    saved = (state.get("stateful_callbacks") or {}).get("hf_stable", {}).get("SpikeForensics", {})
+    logged = {k: v for h in state["log_history"] for k, v in h.items() if k.startswith("perf/forensics")}  # cumulative
     ev = out / "stability_events.jsonl"
     events = [json.loads(x) for x in ev.read_text().splitlines() if x.strip()] if ev.is_file() else []
     return {
@@ -151,8 +151,9 @@ def run(train_file: Path, out: Path, arm: str, seed: int, steps: int, base: Path
         "eval_loss": summary.get("eval_loss_after"),
         "runtime": float(runtime),
         "steps": summary.get("train_steps") or steps,
-        "screen_s": float(saved.get("screen_seconds", 0.0)),
-        "forensics_s": [e["seconds"] for e in events if e.get("kind") == "step_forensics" and "seconds" in e],
+        "screen_s": float(logged.get("perf/forensics_screen_s", 0.0)),
+        "bad_steps": sum(1 for e in events if e.get("kind") == "step_forensics"),
+        "forensics_s": float(logged.get("perf/forensics_s", 0.0)),
     }
 
 
@@ -221,8 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         kinds = " ".join(f"{k} {t}/{n}" for k, (t, n) in s["by_kind"].items()) if s else ""
         step_s = r["runtime"] / max(r["steps"], 1)
         cost = (
-            f"  bad steps attributed {len(r['forensics_s'])}, forensics {sum(r['forensics_s']) / len(r['forensics_s']) / step_s:.2f} steps each"
-            if r["forensics_s"]
+            f"  bad steps attributed {r['bad_steps']}, forensics {r['forensics_s'] / r['bad_steps'] / step_s:.2f} steps each"
+            if r["bad_steps"]
             else ""
         )
         print(

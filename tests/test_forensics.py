@@ -76,7 +76,7 @@ def test_screening_catches_a_record_too_mild_to_flag_its_step_and_nothing_on_cle
 def test_a_suspect_whose_prompt_does_not_explain_its_answer_is_named(tmp_path, monkeypatch, explained):
     """A record too mild for the loss rule (under 2x the median) but a robust outlier is a suspect; re-run, its
     prompt gain decides. The gain itself is unit-tested in test_forensics_data; here it is set per sample."""
-    import hf_stable.callbacks.spike_forensics as sf
+    from hf_stable.forensics import attribution
     from tests.dist_scripts.forensics_run import MAGIC
 
     seen = []
@@ -86,7 +86,7 @@ def test_a_suspect_whose_prompt_does_not_explain_its_answer_is_named(tmp_path, m
         seen.append(poisoned)
         return 0.5 if explained or not poisoned else 1.3
 
-    monkeypatch.setattr(sf, "prompt_gain", gain)
+    monkeypatch.setattr(attribution, "prompt_gain", gain)
     idx = position_of(5)
     trainer, skip, _ = build(
         tmp_path,
@@ -246,9 +246,9 @@ def test_a_degenerate_answer_is_quarantined_before_the_first_step_and_never_trai
 
 
 def test_a_bad_steps_suspects_get_the_prompt_rule_when_screening(tmp_path, monkeypatch):
-    import hf_stable.callbacks.spike_forensics as sf
+    from hf_stable.forensics import attribution
 
-    monkeypatch.setattr(sf, "prompt_gain", lambda model, sample, empty, args=None: 1.3)
+    monkeypatch.setattr(attribution, "prompt_gain", lambda model, sample, empty, args=None: 1.3)
     idx = position_of(6)
     trainer, skip, _ = build(
         tmp_path,

@@ -18,12 +18,9 @@ on them again - on every rank, across resumes.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -38,70 +35,23 @@ from hf_stable.forensics.attribution import (
     grad_outliers,
     judge,
     local_sample_losses,
-    prompt_gain,
     ratios,
     sample_grad_norms,
-    single_sample_inputs,
+    snapshot_sample_losses,
 )
+from hf_stable.forensics.config import ForensicsConfig
 from hf_stable.forensics.quarantine import Entry, Quarantine
 from hf_stable.forensics.sample_loss import per_sample_loss
+from hf_stable.forensics.screening import select_suspects, suspect_prompt_gains
 
 SAMPLE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")  # kept per forward for suspects' re-runs
+
+__all__ = ["FORENSICS_EVENT_KINDS", "ForensicsConfig", "SpikeForensics", "build_forensics"]
 
 FORENSICS_EVENT_KINDS = {
     "samples_quarantined": "training records named as the culprits of a bad step (quarantine.jsonl)",
     "step_forensics": "per-sample losses of a bad step against the healthy distribution",
 }
-
-
-@dataclass
-class ForensicsConfig:
-    """Settings of `SpikeForensics` (the user-facing keys are ``data.quarantine`` and ``data.screen``)."""
-
-    quarantine: Literal["auto", "report", "off"] = field(
-        default="auto", metadata={"help": "auto: never sample culprits again; report: file only; off: nothing."}
-    )
-    screen: bool = field(default=False, metadata={"help": "Screen every step's per-sample losses for outliers."})
-    zscore: float = field(default=5.0, metadata={"help": "A culprit's robust z over the reference is above this..."})
-    min_rel: float = field(default=1.0, metadata={"help": "... and its loss this fraction above the median."})
-    min_excess_nats: float = field(
-        default=40.0,
-        metadata={"help": "... and its loss above the step's median, summed over its tokens, at least this (nats)."},
-    )
-    max_culprits: int = field(default=4, metadata={"help": "At most this many culprits per bad step (highest z)."})
-    grad_norms: bool = field(default=True, metadata={"help": "Per-sample gradient norm of each culprit (re-run)."})
-    max_grad_samples: int = field(
-        default=64, metadata={"help": "A gradient spike with no loss outlier: re-run up to this many samples alone."}
-    )
-    window: int = field(
-        default=1024, metadata={"help": "Healthy samples' loss / step-median ratios kept as the reference."}
-    )
-    min_reference: int = field(
-        default=64, metadata={"help": "Healthy per-sample losses needed before they are the reference."}
-    )
-    screen_every: int = field(default=8, metadata={"help": "Screening decisions every N steps (one gather)."})
-    suspect_zscore: float = field(
-        default=3.0,
-        metadata={"help": "Screening: a sample this far out (robust z) but short of a culprit is a suspect..."},
-    )
-    suspect_excess_nats: float = field(
-        default=10.0,
-        metadata={
-            "help": "... with its loss above the step's median, summed over its tokens, at least this (nats)..."
-        },
-    )
-    prompt_gain_min: float = field(
-        default=1.3,
-        metadata={
-            "help": "... and a culprit when its answer's loss with its prompt is at least this multiple of its "
-            "loss after an empty prompt (above 1: the prompt makes the answer less likely)."
-        },
-    )
-    max_suspects: int = field(default=8, metadata={"help": "Suspects re-run per screening decision (highest z)."})
-
-    @classmethod
-    def from_data(cls, data) -> ForensicsConfig:
-        return cls(quarantine=data.quarantine, screen=bool(data.screen))
 
 
 def _num(x: float) -> float | str:
@@ -138,7 +88,8 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         self._step = 0
         self._bad_steps: set[int] = set()
         self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, dict]] = []
-        self.screen_seconds = 0.0
+        self.screen_seconds = 0.0  # screening's own work (its step-time cost), logged as perf/forensics_screen_s
+        self.forensics_seconds = 0.0  # the bad steps' attribution, logged as perf/forensics_s
 
     def attach(self, callbacks) -> SpikeForensics:
         """Listen to the skip guard among `callbacks` (and read the rollback guard's snapshot); returns self."""
@@ -158,13 +109,11 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         return {
             **self.quarantine.state_dict(),
             "reference": list(self._reference),
-            "screen_seconds": round(self.screen_seconds, 4),  # screening's own work so far (its step-time cost)
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.quarantine.load_state_dict(state)
         self._reference = deque((float(x) for x in state.get("reference", [])), maxlen=self.cfg.window)
-        self.screen_seconds = float(state.get("screen_seconds", 0.0))
 
     # --- Trainer hooks -------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -197,6 +146,13 @@ class SpikeForensics(StepTapUser, StabilityCallback):
                 started = time.perf_counter()
                 self._flush_screen(step)
                 self.screen_seconds += time.perf_counter() - started
+        if self.enabled and (self.screen_seconds or self.forensics_seconds):
+            self.record(
+                {
+                    "perf/forensics_screen_s": round(self.screen_seconds, 4),
+                    "perf/forensics_s": round(self.forensics_seconds, 4),
+                }
+            )
         super().on_step_end(args, state, control, **kwargs)
 
     # --- attribution of a bad step -------------------------------------------------------------------------
@@ -206,38 +162,13 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         self._bad_steps.add(verdict.step)
         self._attribute(verdict.step, list(verdict.reasons))
 
-    def _snapshot_losses(self, per_now) -> list[torch.Tensor] | None:
-        """Per-sample losses at the rollback snapshot's weights (live weights restored), or None without one."""
-        rb = self._rollback
-        store = getattr(rb, "_store", None)
-        if store is None or store.empty or self._optimizer is None:
-            return None
-        from hf_stable.core.snapshot import optimizer_params
-
-        snap = store.load()
-        params = optimizer_params(self._optimizer)
-        if snap is None or len(snap["params"]) != len(params):
-            return None
-        current = [p.detach().to("cpu", copy=True) for p in params]
-        try:
-            with torch.no_grad():
-                for p, w in zip(params, snap["params"], strict=False):
-                    p.copy_(w)
-            at_snap = local_sample_losses(self._model, self._tap, self._args)
-        finally:
-            with torch.no_grad():
-                for p, w in zip(params, current, strict=False):
-                    p.copy_(w)
-        if [x[0] for x in at_snap] != [x[0] for x in per_now]:
-            return None
-        return [x[3][0] for x in at_snap]
-
     def _attribute(self, step: int, step_reasons: list[str]) -> None:
         started = time.perf_counter()
         device = next(self._model.parameters()).device
         try:
             per = local_sample_losses(self._model, self._tap, self._args)
-            snap = self._snapshot_losses(per)
+            store = getattr(self._rollback, "_store", None)
+            snap = snapshot_sample_losses(self._model, self._optimizer, store, self._tap, per, self._args)
         except Exception:  # noqa: BLE001 - e.g. out of memory: this rank brings no rows, the collectives still run
             per, snap = [], None
         parts, located = [], {}
@@ -297,9 +228,9 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             step_reasons=step_reasons,
             samples=[[_where(self.records, r.record_id)[0], _num(r.loss), _num(x), _num(r.z)] for r, x in top[:32]],
             healthy=[_num(x) for x in list(self._reference)[-256:]],
-            seconds=round(time.perf_counter() - started, 4),  # the attribution's cost (re-runs, gathers)
         )
         self._quarantine(step, culprits, med, step_reasons)
+        self.forensics_seconds += time.perf_counter() - started  # logged (rank 0): not an event, ranks' times differ
 
     # --- screening -----------------------------------------------------------------------------------------
     def _screen_forward(self, kwargs, output, record_ids) -> None:
@@ -379,42 +310,16 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         self._bad_steps = {b for b in self._bad_steps if b > step}
 
     def _prompt_mismatches(self, judged: dict, located: dict) -> list[tuple[int, Culprit]]:
-        """Suspects (robust z above `suspect_zscore`, `suspect_excess_nats` above the step's median, short of the
-        loss rule: e.g. a long degenerate answer the model half-learned, a short answer of another question) whose prompt does not explain their answer
-        (`prompt_gain` at least `prompt_gain_min`): re-run by the rank holding them, summed over ranks. Every rank
-        enters the reduce: the suspects come from the gathered table."""
-        named = {c.row.record_id for _, cs, _ in judged.values() for c in cs}
-        suspects = sorted(
-            (
-                (r.z, s, r)
-                for s, (rows, _, med) in judged.items()
-                for r in rows
-                if math.isfinite(r.z)
-                and r.z > self.cfg.suspect_zscore
-                and (r.loss - med) * r.tokens >= self.cfg.suspect_excess_nats
-                and r.record_id not in named
-                and r.record_id not in self.quarantine
-            ),
-            key=lambda t: (-t[0], t[1], t[2].record_id),
-        )[: self.cfg.max_suspects]
+        """(step, culprit) for the suspects of `judged` whose prompt makes their answer less likely (see
+        `hf_stable.forensics.screening`). Every rank enters: the suspects come from the gathered table."""
+        suspects = select_suspects(judged, self.cfg, self.quarantine)
         if not suspects or self._model is None:
             return []
-        device = next(self._model.parameters()).device
-        gains = torch.zeros(len(suspects), dtype=torch.float64, device=device)
         empty = getattr(self.records, "empty_prompt", None) or []
-        me = rank()
-        with self._tap.replaying() if self._tap is not None else contextlib.nullcontext():  # RNG forked
-            for k, (_, s, r) in enumerate(suspects):
-                where = located.get((s, r.record_id)) if r.rank == me else None
-                sample = single_sample_inputs(where[0], where[1]) if where is not None else None
-                if sample is None:
-                    continue
-                with contextlib.suppress(Exception):  # evidence only: never fail the run over it
-                    gains[k] = prompt_gain(self._model, sample, empty, self._args)
-        gains = all_reduce_tensor(gains, "sum").tolist()
+        gains = suspect_prompt_gains(self._model, self._tap, suspects, located, empty, self._args)
         return [
             (s, Culprit(r, "prompt_mismatch", prompt_gain=g))
-            for (_, s, r), g in zip(suspects, gains, strict=True)
+            for (s, r), g in zip(suspects, gains, strict=True)
             if math.isfinite(g) and g >= self.cfg.prompt_gain_min
         ]
 

@@ -277,3 +277,29 @@ def prompt_gain(model, sample: dict, empty_prompt: list[int], args=None) -> floa
         with_prompt = _answer_loss(model, ids[None], labels[None], args)
         without = _answer_loss(model, bare_ids, bare_labels, args)
     return with_prompt / without if without > 0 and math.isfinite(without) else math.nan
+
+
+def snapshot_sample_losses(model, optimizer, store, tap: StepTap, per_now, args=None) -> list[torch.Tensor] | None:
+    """Per-sample losses of the step's micro-batches at the rollback snapshot's weights (the live weights restored
+    afterwards), aligned with `per_now` (`local_sample_losses` at the current weights); None without a snapshot."""
+    if store is None or store.empty or optimizer is None:
+        return None
+    from hf_stable.core.snapshot import optimizer_params
+
+    snap = store.load()
+    params = optimizer_params(optimizer)
+    if snap is None or len(snap["params"]) != len(params):
+        return None
+    current = [p.detach().to("cpu", copy=True) for p in params]
+    try:
+        with torch.no_grad():
+            for p, w in zip(params, snap["params"], strict=False):
+                p.copy_(w)
+        at_snap = local_sample_losses(model, tap, args)
+    finally:
+        with torch.no_grad():
+            for p, w in zip(params, current, strict=False):
+                p.copy_(w)
+    if [x[0] for x in at_snap] != [x[0] for x in per_now]:
+        return None
+    return [x[3][0] for x in at_snap]

@@ -41,7 +41,7 @@ SCREEN_ALL = {
     "screen": True,
     "screen_every": 4,
     "suspect_zscore": -1e9,
-    "min_excess_nats": -1e9,
+    "suspect_excess_nats": -1e9,
     "prompt_gain_min": 0.0,
 }
 
