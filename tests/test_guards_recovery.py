@@ -20,6 +20,7 @@ from hf_stable.config.guards import GuardsConfig
 from hf_stable.core.events import read_events
 from hf_stable.trainer import StableTrainer
 from tests.dist_scripts.guards_common import (
+    OverflowPhases,
     Recorder,
     WeightDamage,
     all_finite,
@@ -258,30 +259,6 @@ def test_batches_that_overflow_at_healthy_weights_are_skipped_without_a_rollback
     assert event["kind"] == "rollback" and event["check"] == "damaged weights" and event["value"] == 0
 
 
-class _OverflowPhases:
-    """In the chosen steps every batch overflows (non-finite loss) at any weights but the initial ones, re-runs of
-    other batches included: trained weights whose activations pass the fp16 limit on the inputs of a stretch of
-    the run, while the initial weights handle them."""
-
-    def __init__(self, model, steps):
-        self.steps, self.forwards = set(steps), 0
-        self.initial = [p.detach().clone() for p in model.parameters()]
-        model.register_forward_pre_hook(self._count)
-        model.register_forward_hook(self._overflow)
-
-    def _count(self, module, args):
-        from hf_stable.core.step_tap import StepTap
-
-        if module.training and torch.is_grad_enabled() and not StepTap.shared(module)._paused:
-            self.forwards += 1
-
-    def _overflow(self, module, args, output):
-        moved = any(not torch.equal(p, q) for p, q in zip(module.parameters(), self.initial, strict=False))
-        if self.forwards in self.steps and moved:
-            output["loss"] = output["loss"] * float("inf")
-        return output
-
-
 def test_a_repeat_rollback_for_non_finite_steps_is_declined_while_the_weights_are_finite(tmp_path):
     # only the step-0 snapshot. Steps 5-7 overflow at the current weights (the last accepted batch too) and not at
     # step 0's: rolled back to 0, LR x0.5. The run recovers (8-14 applied) and steps 15-17 overflow again: a
@@ -289,7 +266,7 @@ def test_a_repeat_rollback_for_non_finite_steps_is_declined_while_the_weights_ar
     # step 0 again and escalated to x0.25, factor 0.125, as in benchmarks/rescue.py fp16 seed 3)
     model = tiny_lora_llama()
     rec = Recorder(model)
-    fault = _OverflowPhases(model, steps=(5, 6, 7, 15, 16, 17))
+    fault = OverflowPhases(model, steps=(5, 6, 7, 15, 16, 17))
     skip, lr = SkipGuard(), LRControl()
     rollback = RollbackGuard(skip, lr, snapshot_share=None, snapshot_every=1000)
     args = training_args(tmp_path, max_steps=20, learning_rate=1e-2)

@@ -197,3 +197,29 @@ def weights_equal(a: dict, b: dict) -> bool:
 
 def is_nan_or_inf(x: float) -> bool:
     return not math.isfinite(x)
+
+
+class OverflowPhases:
+    """In the chosen steps (counted by training forwards) the loss of every forward, re-runs included, is x inf
+    whenever the weights have moved from the initial ones: trained weights whose activations pass the fp16 limit on
+    a stretch of the run while the initial weights handle it. `rank`: only on that rank (None: every rank)."""
+
+    def __init__(self, model, steps, rank: int | None = None):
+        self.steps, self.forwards, self.rank = set(steps), 0, rank
+        self.initial = [p.detach().clone() for p in model.parameters()]
+        model.register_forward_pre_hook(self._count)
+        model.register_forward_hook(self._overflow)
+
+    def _count(self, module, args):
+        from hf_stable.core.step_tap import StepTap
+
+        if module.training and torch.is_grad_enabled() and not StepTap.shared(module)._paused:
+            self.forwards += 1
+
+    def _overflow(self, module, args, output):
+        here = self.rank is None or int(os.environ.get("RANK", "0")) == self.rank
+        if not here or self.forwards not in self.steps:
+            return output
+        if any(not torch.equal(p, q) for p, q in zip(module.parameters(), self.initial, strict=False)):
+            output["loss"] = output["loss"] * float("inf")
+        return output

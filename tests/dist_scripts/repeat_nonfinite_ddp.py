@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from guards_common import Recorder, all_finite, tiny_lora_llama, token_data, training_args
+from guards_common import OverflowPhases, Recorder, all_finite, tiny_lora_llama, token_data, training_args
 from transformers import Trainer
 
 from hf_stable.callbacks.guards import LRControl, RollbackGuard, SkipGuard
@@ -26,34 +26,11 @@ from hf_stable.distributed import shutdown
 PHASES = (5, 6, 7, 15, 16, 17)
 
 
-class OverflowPhasesOnRank:
-    """On `rank`, the loss of every forward during the chosen steps is x inf once the weights have moved."""
-
-    def __init__(self, model, steps, rank: int):
-        self.steps, self.forwards, self.rank = set(steps), 0, rank
-        self.initial = [p.detach().clone() for p in model.parameters()]
-        model.register_forward_pre_hook(self._count)
-        model.register_forward_hook(self._overflow)
-
-    def _count(self, module, args):
-        from hf_stable.core.step_tap import StepTap
-
-        if module.training and torch.is_grad_enabled() and not StepTap.shared(module)._paused:
-            self.forwards += 1
-
-    def _overflow(self, module, args, output):
-        if int(os.environ.get("RANK", "0")) != self.rank or self.forwards not in self.steps:
-            return output
-        if any(not torch.equal(p, q) for p, q in zip(module.parameters(), self.initial, strict=False)):
-            output["loss"] = output["loss"] * float("inf")
-        return output
-
-
 def main(out: str) -> None:
     faulthandler.dump_traceback_later(int(os.environ.get("GUARDS_DDP_TIMEOUT", "150")), exit=True)
     Path(out).mkdir(parents=True, exist_ok=True)
     model = tiny_lora_llama()
-    OverflowPhasesOnRank(model, PHASES, rank=1)
+    OverflowPhases(model, PHASES, rank=1)
     skip, lr = SkipGuard(), LRControl()
     rollback = RollbackGuard(skip, lr, snapshot_share=None, snapshot_every=1000)
     rec = Recorder(model)
