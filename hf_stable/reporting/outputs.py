@@ -22,8 +22,9 @@ def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=Non
     from hf_stable.reporting.report import render_report
 
     tokenizer = getattr(trainer, "processing_class", None)
+    stops = getattr(data, "stop_token_ids", None) or []
     if tokenizer is not None and data is not None:
-        save_generation_config(output.path, trainer.model, tokenizer, getattr(data, "stop_token_ids", None))
+        save_generation_config(output.path, trainer.model, tokenizer, stops)
 
     plot = plot_loss_lr(
         trainer.state.log_history, output.path / "plots" / "loss_lr.png", title="loss and learning rate"
@@ -44,4 +45,5 @@ def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=Non
         optimizer_section=optimizer_markdown(optimizer_table or []),
         stability_section=render_report(output.path),
         doctor_section=doctor_md.read_text(encoding="utf-8") if doctor_md.is_file() else "",
+        stop_tokens=tokenizer.convert_ids_to_tokens(stops) if tokenizer is not None and stops else None,
     )
