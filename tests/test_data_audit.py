@@ -110,7 +110,10 @@ def test_cli_json_keys(dataset, tok_dir, capsys):
 def test_cli_text_and_errors(dataset, tok_dir, tmp_path, capsys):
     assert cli_main(["audit", dataset, "--tokenizer", tok_dir, "--skip-bad"]) == 0
     out = capsys.readouterr().out
-    assert "records read / kept / dropped | 10 / 7 / 3" in out and "stop-token coverage (EOS / end of turn) | 100.0%" in out
+    assert (
+        "records read / kept / dropped | 10 / 7 / 3" in out
+        and "stop-token coverage (EOS / end of turn) | 100.0%" in out
+    )
     assert cli_main(["audit", dataset, "--tokenizer", tok_dir]) == 2  # bad line 9 without --skip-bad
     assert f"{dataset}:9: malformed JSON" in capsys.readouterr().err
     assert cli_main(["audit", dataset, "--tokenizer", str(tmp_path / "none")]) == 2

@@ -249,7 +249,8 @@ def audit_markdown(audit: dict) -> str:
     ]
     hist = a["length_histogram"]
     bins = " · ".join(f"≤{hi}: {c}" for hi, c in zip(hist["edges"][1:], hist["counts"], strict=False) if c)
-    lines = ["| check | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    # a pipe inside a cell (`<|eot_id|>`) would split it, code span or not: GitHub's tables want it escaped
+    lines = ["| check | value |", "|---|---|"] + [f"| {k} | {v.replace('|', chr(92) + '|')} |" for k, v in rows]
     lines += ["", f"Length histogram (tokens): {bins or 'empty'}"]
     if a["alerts"]:
         lines += ["", "Alerts:"] + [f"- ⚠ {x}" for x in a["alerts"]]
