@@ -299,8 +299,9 @@ def stop_token_ids(tokenizer, template: str = "auto", end_tokens=()) -> list[int
 def describe_rendering(tokenizer, template: str, thinking: dict | None = None) -> str:
     """One sentence for the audit: how records became prompt + supervised span."""
     if template != "chat_template":
+        after = " after BOS" if getattr(tokenizer, "bos_token_id", None) is not None else ""
         return (
-            "no chat template: alpaca layout (### Instruction / ### Input / ### Response) after BOS, answer + "
+            f"no chat template: alpaca layout (### Instruction / ### Input / ### Response){after}, answer + "
             f"EOS {tokenizer.eos_token}"
         )
     text = "the tokenizer's chat template renders each conversation; supervised: the final assistant turn as written"
