@@ -91,7 +91,7 @@ def test_saved_generation_config_lists_turn_end_eos_and_the_base_models_own(im_t
     model.generation_config.do_sample, model.generation_config.temperature = True, 0.6  # as Qwen2.5's own file
     path = save_generation_config(tmp_path, model, im_tok, data.stop_token_ids)
     saved = GenerationConfig.from_pretrained(path.parent)
-    assert saved.eos_token_id == [*data.stop_token_ids, 7]
+    assert saved.eos_token_id == [*data.stop_token_ids, 7] and not saved._from_model_config
     assert saved.pad_token_id == im_tok.pad_token_id and (saved.do_sample, saved.temperature) == (True, 0.6)
     assert model.generation_config.eos_token_id == [7, im_tok.eos_token_id]  # the model's own is not changed
     assert generation_config(None, im_tok, []).eos_token_id == [im_tok.eos_token_id]

@@ -34,6 +34,8 @@ def generation_config(model, tokenizer, stop_token_ids):
         config.pad_token_id = int(tokenizer.pad_token_id)
     if config.bos_token_id is None and tokenizer.bos_token_id is not None:
         config.bos_token_id = int(tokenizer.bos_token_id)
+    # a config marked as derived from the model config is rebuilt from it by generate(): the stop ids would be lost
+    config._from_model_config = False
     return config
 
 
