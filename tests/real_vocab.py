@@ -32,6 +32,9 @@ TEMPLATES = {
     "llama3.1": "templates/meta-llama-Llama-3.1-8B-Instruct.jinja",
     "qwen2.5": "templates/Qwen-Qwen2.5-7B-Instruct.jinja",
     "qwen3": "templates/Qwen-Qwen3-0.6B.jinja",
+    # generation prompts that open the reply with <think> while assistant turns are rendered without it
+    "qwq": "templates/Qwen-QwQ-32B.jinja",
+    "r1-distill-qwen": "templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
 }
 FILES = [*(f"{v}{ext}" for v in VOCABS.values() for ext in ("", ".inp", ".out")), *TEMPLATES.values()]
 SEPARATOR = "\n__ggml_vocab_test__\n"
@@ -117,6 +120,7 @@ class Case:
     turn_end: str  # what the template ends an assistant turn with (the EOS when there is no template)
     bos: str | None = None
     extra_tokens: tuple[str, ...] = ()
+    extra_special: tuple[str, ...] = ()
 
 
 CASES = {
@@ -139,6 +143,29 @@ CASES = {
 }
 
 
+# Templates whose generation prompt opens the reply with <think> while assistant turns are rendered without it
+# (llama.cpp's copies, which also know enable_thinking): the renderings are aligned (see hf_stable/data/prompts.py).
+_THINK = ("<think>", "</think>")
+_R1 = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
+ALIGNED_CASES = {
+    c.name: c
+    for c in (
+        Case("qwq", "qwen2", "qwq", "<|im_end|>", "<|endoftext|>", "<|im_end|>", extra_tokens=_THINK),
+        Case(
+            "r1-distill-qwen",
+            "qwen2",
+            "r1-distill-qwen",
+            _R1[1],
+            _R1[1],
+            _R1[1],
+            bos=_R1[0],
+            extra_tokens=_THINK,
+            extra_special=_R1,
+        ),
+    )
+}
+
+
 def make_tokenizer(case: Case, base, cache: Path):
     """A copy of `base` (the vocabulary loaded with `AutoTokenizer`, as a user loads one) configured like `case`."""
     import copy
@@ -146,6 +173,8 @@ def make_tokenizer(case: Case, base, cache: Path):
     tok = copy.deepcopy(base)
     if case.extra_tokens:
         tok.add_tokens(list(case.extra_tokens))
+    if case.extra_special:
+        tok.add_special_tokens({"additional_special_tokens": list(case.extra_special)})
     tok.chat_template = (cache / TEMPLATES[case.template]).read_text(encoding="utf-8") if case.template else None
     tok.eos_token = case.eos
     tok.pad_token = case.pad
@@ -171,6 +200,6 @@ class RealTokenizers:
 
     def __call__(self, name: str):
         if name not in self._toks:
-            case = CASES[name]
+            case = CASES.get(name) or ALIGNED_CASES[name]
             self._toks[name] = make_tokenizer(case, self.base(case.vocab), self.cache)
         return self._toks[name]

@@ -18,7 +18,7 @@ from hf_stable.config import DataConfig
 from hf_stable.data import IGNORE_INDEX, PackingCollator, PaddingCollator, build_data, encode_prompt, encode_records
 from hf_stable.data.records import Record
 from hf_stable.reporting import save_generation_config
-from tests.real_vocab import CASES, reference_cases
+from tests.real_vocab import ALIGNED_CASES, CASES, reference_cases
 
 QUESTION = {"role": "user", "content": "What is 6 x 7?"}
 
@@ -195,3 +195,35 @@ def test_stop_tokens_audit_and_generation_config(case_tok, tmp_path):
     saved = GenerationConfig.from_pretrained(path.parent)
     assert saved.eos_token_id == tok.convert_tokens_to_ids(want)
     assert saved.pad_token_id == (tok.pad_token_id if case.pad else None)
+
+
+@pytest.mark.parametrize("name", list(ALIGNED_CASES))
+def test_templates_whose_generation_prompt_opens_with_think_are_aligned(real_tokenizer, tmp_path, name):
+    """QwQ / DeepSeek-R1: the generation prompt opens the reply with <think>, the rendered turn does not; the model
+    is trained on the generation prompt followed by what the template writes in the final turn."""
+    case, tok = ALIGNED_CASES[name], real_tokenizer(name)
+    end = case.turn_end
+    rows = [_chat("What is 6 x 7?", "42"), _chat("What is 6 x 7?", "<think>\nsix sevens\n</think>\n\n42")]
+    data = build_data(DataConfig(train_file=_write(tmp_path / "t.jsonl", rows), packing=False), tok)
+    spans, prompts = [], []
+    for record, sample in zip(rows, data.train_dataset, strict=True):
+        n = sample["labels"].count(IGNORE_INDEX)
+        assert sample["input_ids"][:n] == encode_prompt(tok, record)
+        prompts.append(tok.decode(sample["input_ids"][:n]))
+        spans.append(tok.decode(sample["input_ids"][n:]))
+    gen_off = tok.apply_chat_template(
+        rows[0]["messages"][:1], add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    assert prompts[0] == gen_off and gen_off.endswith("<think>\n</think>")  # exactly what generation is given
+    assert spans[0] == "42" + end
+    audit = data.audit["train"]
+    assert audit["stop_tokens"] == [end] and audit["n_aligned"] >= 1 and "aligned" in audit["chat_rendering"]
+    if name == "qwq":  # its template keeps the final turn's reasoning: thinking on, nothing to align
+        assert (
+            prompts[1].endswith("<|im_start|>assistant\n<think>\n") and spans[1] == "six sevens\n</think>\n\n42" + end
+        )
+        assert audit["n_aligned"] == 1 and audit["n_reasoning_dropped"] == 0
+    else:  # R1 drops the think block from every assistant turn: trained as rendered, and the audit says so
+        assert prompts[1].endswith("<｜Assistant｜><think>\n") and spans[1] == "\n\n42" + end
+        assert audit["n_aligned"] == 2 and audit["n_reasoning_dropped"] == 1
+        assert any("reasoning block" in a for a in audit["alerts"])

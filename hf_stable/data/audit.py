@@ -10,6 +10,7 @@ Keys of the audit dict (JSON-safe): ``n_records`` (non-blank lines read), ``n_ke
 ``n_chars_removed`` / ``cleaning``, ``eos_coverage`` (kept samples whose last supervised label is a stop token:
 the template's end of turn, or EOS without a template), ``chat_rendering`` (how records became prompt + supervised
 span, see ``prompts.py``), ``thinking`` (records of a thinking template rendered with thinking off / on),
+``n_aligned`` / ``n_reasoning_dropped`` (renderings aligned; reasoning blocks the template leaves out),
 ``end_tokens`` (kept samples by the token ending their span), ``stop_tokens`` (what generation stops at: the
 saved ``generation_config.json`` lists them), ``sample`` (the first kept sample decoded, supervised span marked),
 ``label_coverage`` (supervised tokens / tokens), ``padding_ratio`` (padding tokens / batch tokens of the
@@ -118,8 +119,10 @@ def summarize(
         "file": path,
         "format": read.format,
         "template": template,
-        "chat_rendering": describe_rendering(tokenizer, template, dict(enc.thinking)),
+        "chat_rendering": describe_rendering(tokenizer, template, dict(enc.thinking), enc.n_aligned),
         "thinking": dict(enc.thinking),
+        "n_aligned": enc.n_aligned,
+        "n_reasoning_dropped": enc.n_reasoning_dropped,
         "end_tokens": dict(enc.end_tokens),
         "stop_tokens": tokenizer.convert_ids_to_tokens(stops),
         "sample": sample_view(tokenizer, enc.first),
@@ -170,6 +173,11 @@ def _alerts(a: dict) -> list[str]:
         alerts.append(f"{a['n_dropped']} of {a['n_records']} records dropped: {a['dropped_reasons']}")
     if a["n_kept"] and a["eos_coverage"] < 1.0:
         alerts.append(f"only {a['eos_coverage']:.1%} of samples end with a supervised stop token")
+    if a.get("n_reasoning_dropped"):
+        alerts.append(
+            f"{a['n_reasoning_dropped']} answers carry a reasoning block (<think>...</think>) that the chat template "
+            "leaves out of the assistant turn: only the text after it is trained"
+        )
     if a["n_truncated"]:
         n, limit = a["n_truncated"], a["max_length"]
         alerts.append(f"{n} answers truncated to fit max_length {limit}; raise data.max_length")

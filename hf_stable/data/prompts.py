@@ -18,8 +18,14 @@ For an answer without a reasoning block we use the template's own switch, ``enab
 renderings: the prompt then ends with the empty think block (exactly what generation with thinking off is given)
 and the span is ``42<|im_end|>``. An answer that carries its reasoning (``...</think>...``) is rendered with
 thinking on: the prompt ends at ``assistant\\n`` and the span is the think block, the answer and the end token.
-The audit says which rendering each record got (``chat_rendering``, ``thinking``). A template whose generation
-prompt is not a prefix of its rendering of the conversation in any other way is an error naming the record.
+The audit says which rendering each record got (``chat_rendering``, ``thinking``).
+
+Templates whose generation prompt is not a prefix of their rendering in another way (QwQ, DeepSeek-R1: the
+generation prompt opens ``<think>\n``, assistant turns are rendered without their think block) are aligned: the
+supervised span is what the template writes in the final turn after its header, placed after the generation prompt
+(the model is trained on what it will be given and must then write); the audit counts them (``n_aligned``) and
+alerts when such a template leaves a reasoning block of the data out (``n_reasoning_dropped``). Any other mismatch
+is an error naming the record.
 
 Without a template (``alpaca``, e.g. a base Llama): a ``### Instruction / ### Input / ### Response`` layout after
 the tokenizer's BOS, and the answer followed by exactly one EOS (``tokenizer.eos_token_id``).
@@ -115,12 +121,17 @@ class Rendering:
             which is appended as an id).
         end_token: the token that ends the supervised span (the template's end of turn, or the EOS).
         thinking: the ``enable_thinking`` value both renderings used, or None (no thinking switch; alpaca).
+        aligned: the generation prompt was not a prefix of the conversation's rendering: the final turn's text
+            (after its header) follows the generation prompt instead (see `_final_turn_start`).
+        reasoning_dropped: the answer has a reasoning block that the template's rendering leaves out.
     """
 
     prompt: str
     answer: str
     end_token: str
     thinking: bool | None = None
+    aligned: bool = False
+    reasoning_dropped: bool = False
 
 
 def _special_texts(tokenizer) -> list[str]:
@@ -142,6 +153,34 @@ def _strip_endings(answer: str, endings: list[str]) -> str:
     return answer
 
 
+_SENTINEL = "\ue000"  # a private-use character: no template writes it, so it marks where the answer's text goes
+
+
+def _final_turn_start(tokenizer, before: list[dict], prompt: str, full: str, kwargs: dict) -> tuple[int, bool]:
+    """Where the supervised span starts in `full`, and whether the renderings had to be aligned.
+
+    The generation prompt is normally a prefix of the conversation's rendering. Some templates open the reply
+    with something the final turn does not hold (QwQ and DeepSeek-R1 write ``<think>\n`` into the generation
+    prompt but drop the think block from assistant turns): then the final turn's header is found by rendering a
+    sentinel answer, and what the template writes after the header is placed after the generation prompt, which
+    is what the model will be given.
+    """
+    if full.startswith(prompt):
+        return len(prompt), False
+    probe = tokenizer.apply_chat_template(
+        [*before, {"role": "assistant", "content": _SENTINEL}], tokenize=False, **kwargs
+    )
+    history = tokenizer.apply_chat_template(before, tokenize=False, **kwargs)
+    header = probe[: probe.find(_SENTINEL)] if _SENTINEL in probe else ""
+    if not (header and full.startswith(header) and header.startswith(history) and prompt.startswith(header)):
+        raise DataError(
+            "the chat template's generation prompt (add_generation_prompt=True) does not match how its rendering "
+            f"of the conversation opens the final turn: prompt ends {prompt[-60:]!r}, the conversation has "
+            f"{full[len(history) : len(history) + 60]!r}; fix the template or use data.template: alpaca"
+        )
+    return len(header), True
+
+
 def _render_chat(tokenizer, record: dict, specials: list[str]) -> Rendering:
     answer = answer_text(record) if _has_answer(record) else None
     kwargs = {}
@@ -156,13 +195,8 @@ def _render_chat(tokenizer, record: dict, specials: list[str]) -> Rendering:
         full = tokenizer.apply_chat_template(
             [*before, {"role": "assistant", "content": answer}], tokenize=False, **kwargs
         )
-        if not full.startswith(prompt):
-            raise DataError(
-                "the chat template's generation prompt (add_generation_prompt=True) is not where its rendering of "
-                f"the conversation starts the final turn: prompt ends {prompt[-60:]!r}, conversation has "
-                f"{full[len(prompt) - 60 : len(prompt) + 20]!r}; fix the template or use data.template: alpaca"
-            )
-        span = full[len(prompt) :].rstrip()
+        start, aligned = _final_turn_start(tokenizer, before, prompt, full, kwargs)
+        span = full[start:].rstrip()
         end = next((t for t in specials if span.endswith(t)), None)
         if end is None:
             raise DataError(
@@ -172,9 +206,10 @@ def _render_chat(tokenizer, record: dict, specials: list[str]) -> Rendering:
             )
         trimmed = _strip_endings(answer, [end, eos])
         if trimmed == answer:
-            return Rendering(prompt, span, end, kwargs.get("enable_thinking"))
+            break
         answer = trimmed
-    return Rendering(prompt, span, end, kwargs.get("enable_thinking"))
+    dropped = _has_reasoning(answer) and "</think>" not in span
+    return Rendering(prompt, span, end, kwargs.get("enable_thinking"), aligned, dropped)
 
 
 def _has_answer(record: dict) -> bool:
@@ -296,7 +331,7 @@ def stop_token_ids(tokenizer, template: str = "auto", end_tokens=()) -> list[int
     return list(dict.fromkeys(ids))
 
 
-def describe_rendering(tokenizer, template: str, thinking: dict | None = None) -> str:
+def describe_rendering(tokenizer, template: str, thinking: dict | None = None, n_aligned: int = 0) -> str:
     """One sentence for the audit: how records became prompt + supervised span."""
     if template != "chat_template":
         after = " after BOS" if getattr(tokenizer, "bos_token_id", None) is not None else ""
@@ -310,5 +345,10 @@ def describe_rendering(tokenizer, template: str, thinking: dict | None = None) -
         text += (
             f"; thinking template: {off} answers without a reasoning block rendered with enable_thinking=False "
             f"(the prompt ends with the empty think block), {on} with their reasoning rendered with thinking on"
+        )
+    if n_aligned:
+        text += (
+            f"; {n_aligned} aligned: the generation prompt opens the reply differently from the rendered turn, so "
+            "the turn's text after its header follows the generation prompt"
         )
     return text

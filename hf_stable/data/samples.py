@@ -10,7 +10,7 @@ Labels policy:
       of the sample), never by token id, so it is learned even when ``pad_token == eos_token``;
     * padding gets -100 in the collator (again by position: only the positions it adds).
 
-Truncation policy (``data.max_length`` counts prompt + answer + EOS):
+Truncation policy (``data.max_length`` counts prompt + answer + end token):
     * the prompt is never cut: a model trained on a question missing its start learns answers to
       questions nobody asked;
     * if the sample is too long, the *answer* is cut from the right and the end token is kept as the last
@@ -44,6 +44,8 @@ class EncodeStats:
         end_tokens: kept samples by the token that ends their supervised span (``{"<|im_end|>": 120}``).
         thinking: kept samples of a thinking template by rendering (``{"off": n, "on": m}``, see ``prompts.py``).
         first: the first kept sample's ``{"where", "prompt_ids", "answer_ids"}`` (the audit shows it rendered).
+        n_aligned / n_reasoning_dropped: kept samples whose renderings were aligned / whose reasoning block the
+            template leaves out (``Rendering.aligned`` / ``reasoning_dropped``).
     """
 
     n_in: int = 0
@@ -54,6 +56,8 @@ class EncodeStats:
     end_tokens: Counter = field(default_factory=Counter)
     thinking: Counter = field(default_factory=Counter)
     first: dict | None = None
+    n_aligned: int = 0
+    n_reasoning_dropped: int = 0
 
 
 def build_sample(prompt_ids: list[int], answer_ids: list[int], max_length: int) -> tuple[list, list, bool] | None:
@@ -134,6 +138,8 @@ def encode_records(
             stats.end_tokens[rendering.end_token] += 1
             if rendering.thinking is not None:
                 stats.thinking["on" if rendering.thinking else "off"] += 1
+            stats.n_aligned += rendering.aligned
+            stats.n_reasoning_dropped += rendering.reasoning_dropped
             if stats.first is None:
                 n = len(p)
                 stats.first = {"where": rec.where, "prompt_ids": ids[:n], "answer_ids": ids[n:]}
