@@ -21,7 +21,7 @@ thinking on: the prompt ends at ``assistant\\n`` and the span is the think block
 The audit says which rendering each record got (``chat_rendering``, ``thinking``).
 
 Templates whose generation prompt is not a prefix of their rendering in another way (QwQ, DeepSeek-R1: the
-generation prompt opens ``<think>\n``, assistant turns are rendered without their think block) are aligned: the
+generation prompt opens ``<think>\\n``, assistant turns are rendered without their think block) are aligned: the
 supervised span is what the template writes in the final turn after its header, placed after the generation prompt
 (the model is trained on what it will be given and must then write); the audit counts them (``n_aligned``) and
 alerts when such a template leaves a reasoning block of the data out (``n_reasoning_dropped``). Any other mismatch
