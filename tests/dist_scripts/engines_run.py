@@ -22,7 +22,9 @@ import os
 import sys
 from pathlib import Path
 
+import fsdp_cpu
 import torch
+from engines import engine_args, full_weights
 from guards_common import LossFault, tiny_lora_llama, token_data, training_args
 from transformers import TrainerCallback
 
@@ -37,34 +39,6 @@ from hf_stable.trainer import StableTrainer
 
 STEPS = 14
 DAMAGE_AFTER = 9
-
-
-def deepspeed_config(stage: int) -> dict:
-    return {
-        "zero_optimization": {"stage": stage, "overlap_comm": False, "contiguous_gradients": True},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": "auto",
-        "gradient_accumulation_steps": "auto",
-        "train_micro_batch_size_per_gpu": "auto",
-        "train_batch_size": "auto",
-        "steps_per_print": 10**9,
-    }
-
-
-def engine_args(engine: str) -> dict:
-    if engine.startswith("zero"):
-        return {"deepspeed": deepspeed_config(int(engine[-1]))}
-    if engine == "fsdp2":
-        return {
-            "fsdp": "full_shard",
-            "fsdp_config": {
-                "fsdp_version": 2,
-                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                "reshard_after_forward": True,
-            },
-        }
-    return {}
 
 
 def local_state(model, optimizer) -> dict:
@@ -95,20 +69,6 @@ def damage_targets(engine, param) -> list[torch.Tensor]:
     elif engine.name.startswith("deepspeed") and param._hp_mapping is not None:
         out.append(param._hp_mapping.get_hp_fragment())
     return out
-
-
-def full_weights(model) -> list[torch.Tensor]:
-    """Every trainable weight in full (gathered from the ranks' parts under ZeRO-3 and FSDP2)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    name = StepEngine.of(model).name
-    if name == "fsdp2":
-        return [p.full_tensor().detach().clone() for p in params]
-    if name == "deepspeed_zero3":
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params):
-            return [p.detach().clone() for p in params]
-    return [p.detach().clone() for p in params]
 
 
 def same(a, b) -> bool:
@@ -152,8 +112,6 @@ class Probe(TrainerCallback):
 def main(engine: str, out: str) -> None:
     faulthandler.dump_traceback_later(int(os.environ.get("ENGINES_TIMEOUT", "200")), exit=True)
     if engine == "fsdp2":
-        import fsdp_cpu
-
         fsdp_cpu.enable()
     Path(out).mkdir(parents=True, exist_ok=True)
     model = tiny_lora_llama()  # before TrainingArguments: ZeRO-3's zero.Init would partition it at construction
