@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from transformers import set_seed
 
 from hf_stable.callbacks import build_callbacks
-from hf_stable.callbacks.before_evaluation import BeforeTrainingEvaluation
+from hf_stable.callbacks.before_training_evaluation import BeforeTrainingEvaluation
 from hf_stable.callbacks.guards import guard_training_overrides
 from hf_stable.callbacks.preemption_callback import exit_if_preempted
 from hf_stable.checkpoints import resolve_resume
