@@ -6,14 +6,18 @@ recipe's optimizer. Each engine is launched once (`harness.engine_runs`, 4 steps
 FSDP2 are preempted (SIGTERM on rank 0 only, after step 2) and rerun, so saving, preemption and resume are covered
 on a sharded engine of each kind. The ZeRO-2 / ZeRO-3 runs are also read by tests/test_distributed.py.
 
-FSDP2 on CPU runs through `tests/dist_scripts/fsdp_cpu.py`, a test-only patch that lets accelerate's state say FSDP
-on MULTI_CPU. What these tests exercise of accelerate's FSDP path: the Trainer's FSDP2 branch (optimizer from
-`optimizer_cls_and_kwargs` before sharding), `fsdp2_prepare_model` (`fully_shard` per `LlamaDecoderLayer` from the
-transformer auto-wrap policy, then the root; the optimizer moved onto the DTensor shards), gradient clipping over
-DTensors, FULL_STATE_DICT gathering in `save_model` and checkpoints (`pytorch_model_fsdp.bin`, `optimizer.bin`),
-FSDP checkpoint loading on resume, and `generate` under FSDP2 (`register_fsdp_forward_method`). Only a GPU run
-exercises NCCL, mixed-precision policies, parameter CPU offload, `cpu_ram_efficient_loading` (meta-device init and
-broadcast from rank 0), FSDP activation checkpointing and the overlap of communication with compute.
+FSDP2 is launched as the README says, `accelerate launch --config_file configs/accelerate/fsdp2.yaml` (2 processes),
+and runs on CPU through `tests/dist_scripts/fsdp_cpu.py`, a test-only patch that lets accelerate's state say FSDP on
+MULTI_CPU (never part of the package). What these tests exercise of accelerate's FSDP path: the config file's
+environment (`ACCELERATE_USE_FSDP`, `FSDP_*`) turned into the plugin, the Trainer's FSDP2 branch (the optimizer from
+`optimizer_cls_and_kwargs` before sharding), `cpu_ram_efficient_loading` (rank 1 loads the base on the meta device and
+gets the weights broadcast from rank 0), `fsdp2_prepare_model` (`fully_shard` per decoder layer from the model's
+`_no_split_modules`, then the root; the optimizer moved onto the DTensor shards), gradient clipping over DTensors,
+FULL_STATE_DICT gathering in `save_model` and in checkpoints (`pytorch_model_fsdp.bin`, `optimizer.bin`), FSDP
+checkpoint loading on resume, and `generate` under FSDP2 (`register_fsdp_forward_method`). Only a GPU run exercises
+NCCL, the mixed-precision policies (bf16 parameters / fp32 reduce), parameter CPU offload, FSDP activation
+checkpointing and the overlap of communication with compute. (`--training.fsdp full_shard --training.fsdp_config
+'{fsdp_version: 2, ...}'` takes the same path from TrainingArguments instead of the environment.)
 
 Monitors and guards under these engines are another test's business (they log `monitor_off` / `guard_off` until
 the engine adapter lands); nothing here asserts on them.

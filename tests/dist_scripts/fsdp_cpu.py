@@ -4,14 +4,14 @@ accelerate turns an `fsdp_plugin` (from `TrainingArguments(fsdp=...)` or `ACCELE
 `DistributedType.FSDP` only for GPU-like distributed types (`accelerate/state.py`, `AcceleratorState.__init__`); a
 CPU launch stays `MULTI_CPU` and silently trains as DDP. torch's `fully_shard` itself runs on CPU with gloo, so
 this patch sets `distributed_type = FSDP` (and keeps the plugin) when the state came out `MULTI_CPU` with a plugin
-given. Everything after that is accelerate's and the Trainer's own code: `fsdp2_prepare_model` (`fully_shard` per
-decoder layer from the plugin's auto-wrap policy, then the root), the optimizer switched onto the DTensor shards,
-`clip_grad_norm_` over DTensors, the FSDP state-dict gathering in `save_model` and checkpoints, and the FSDP
-checkpoint loading on resume.
+given. Everything after that is accelerate's and the Trainer's own code: the plugin from the launch config's
+environment or from `TrainingArguments.fsdp_config`, `cpu_ram_efficient_loading` (meta-device load on rank 1,
+weights broadcast from rank 0), `fsdp2_prepare_model` (`fully_shard` per decoder layer from the auto-wrap policy,
+then the root), the optimizer switched onto the DTensor shards, `clip_grad_norm_` over DTensors, the FSDP
+state-dict gathering in `save_model` and checkpoints, and the FSDP checkpoint loading on resume.
 
 Not exercised on CPU (only a GPU run does): NCCL, mixed-precision policies (`MixedPrecisionPolicy`, bf16 reduce),
-CPU offload of parameters, `cpu_ram_efficient_loading` (meta-device init + broadcast), FSDP activation
-checkpointing, and overlap of communication with compute.
+CPU offload of parameters, FSDP activation checkpointing, and overlap of communication with compute.
 
 Never imported by the package: `recipe_probe.py` applies it when a launch asks for FSDP.
 """

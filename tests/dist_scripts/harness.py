@@ -289,39 +289,32 @@ def baseline_run() -> Run:
     return run
 
 
-# The sharded engines as the README launches them through TrainingArguments. FSDP2 on CPU needs the test-only
-# accelerate patch in fsdp_cpu.py, which recipe_probe.py applies when it sees --training.fsdp.
+# The sharded engines as the README launches them: DeepSpeed through TrainingArguments (torchrun), FSDP2 through
+# `accelerate launch --config_file configs/accelerate/fsdp2.yaml` (2 processes). FSDP2 on CPU needs the test-only
+# accelerate patch in fsdp_cpu.py, which recipe_probe.py applies when the launch asks for FSDP.
 ENGINES = {
-    "zero2": ["--training.deepspeed", "configs/deepspeed/zero2.json"],
-    "zero3": ["--training.deepspeed", "configs/deepspeed/zero3.json"],
-    "fsdp2": [
-        "--training.fsdp",
-        "full_shard",
-        "--training.fsdp_config",
-        "{fsdp_version: 2, auto_wrap_policy: TRANSFORMER_BASED_WRAP, transformer_layer_cls_to_wrap: [LlamaDecoderLayer]}",
-    ],
+    "zero2": (["--training.deepspeed", "configs/deepspeed/zero2.json"], None),
+    "zero3": (["--training.deepspeed", "configs/deepspeed/zero3.json"], None),
+    "fsdp2": ([], "configs/accelerate/fsdp2.yaml"),
 }
 PREEMPTED_ENGINES = ("zero3", "fsdp2")  # SIGTERM after step 2 (checkpoint-3, exit 143), then the rerun resumes
 
 
-def engine_args(out: Path, engine: str) -> list[str]:
-    """The default recipe (evaluation before and after training, exact match) for 4 steps on 2 CPU ranks under
-    `engine`, checkpointing every 2 steps."""
-    return recipe_args(out, steps=4, save_steps=2, evaluation=True) + CPU + ENGINES[engine]
-
-
 @functools.cache
 def engine_runs(engine: str) -> tuple[Run, ...]:
-    """The launches of the default recipe under `engine`, shared by every test that reads them: one uninterrupted
-    run, or for `PREEMPTED_ENGINES` the preempted launch (rank 0 sends itself SIGTERM at the end of step 2) and the
-    rerun that resumes from its checkpoint-3."""
+    """The default recipe (evaluation before and after training, exact match) for 4 steps on 2 CPU ranks under
+    `engine`, checkpointing every 2 steps; shared by every test that reads it. One uninterrupted launch, or for
+    `PREEMPTED_ENGINES` the preempted launch (rank 0 alone sends itself SIGTERM at the end of step 2) and the rerun
+    that resumes from its checkpoint-3."""
     out = session_dir() / f"engine_{engine}" / "out"
     out.parent.mkdir(parents=True, exist_ok=True)
-    args = engine_args(out, engine)
+    extra, accelerate_config = ENGINES[engine]
+    args = recipe_args(out, steps=4, save_steps=2, evaluation=True) + CPU + extra
+    kw = {"nproc": 2, "timeout": 480, "accelerate_config": accelerate_config}
     if engine not in PREEMPTED_ENGINES:
-        return (launch(args, out, nproc=2, timeout=480),)
-    first = launch(args, out, nproc=2, fault="sigterm:2:0", tag="first", timeout=480)
-    return first, launch(args, out, nproc=2, tag="second", timeout=480)
+        return (launch(args, out, **kw),)
+    first = launch(args, out, fault="sigterm:2:0", tag="first", **kw)
+    return first, launch(args, out, tag="second", **kw)
 
 
 def torchrun_two_ranks(script: Path, *args: str, timeout: int, env: dict | None = None) -> str:
