@@ -1,44 +1,40 @@
-"""TEST ONLY: let accelerate run FSDP2 on CPU ranks (gloo), so the stock Trainer path can be tested without GPUs.
+"""Test-only: FSDP2 through accelerate and the stock `Trainer` on CPU ranks (gloo). Never used by the package.
 
-accelerate turns an `fsdp_plugin` (from `TrainingArguments(fsdp=...)` or `ACCELERATE_USE_FSDP`) into
-`DistributedType.FSDP` only for GPU-like distributed types (`accelerate/state.py`, `AcceleratorState.__init__`); a
-CPU launch stays `MULTI_CPU` and silently trains as DDP. torch's `fully_shard` itself runs on CPU with gloo, so
-this patch sets `distributed_type = FSDP` (and keeps the plugin) when the state came out `MULTI_CPU` with a plugin
-given. Everything after that is accelerate's and the Trainer's own code: the plugin from the launch config's
-environment or from `TrainingArguments.fsdp_config`, `cpu_ram_efficient_loading` (meta-device load on rank 1,
-weights broadcast from rank 0), `fsdp2_prepare_model` (`fully_shard` per decoder layer from the auto-wrap policy,
-then the root), the optimizer switched onto the DTensor shards, `clip_grad_norm_` over DTensors, the FSDP
-state-dict gathering in `save_model` and checkpoints, and the FSDP checkpoint loading on resume.
-
-Not exercised on CPU (only a GPU run does): NCCL, mixed-precision policies (`MixedPrecisionPolicy`, bf16 reduce),
-CPU offload of parameters, FSDP activation checkpointing, and overlap of communication with compute.
-
-Never imported by the package: `recipe_probe.py` applies it when a launch asks for FSDP.
+accelerate's `AcceleratorState` turns an `fsdp_plugin` into `DistributedType.FSDP` only for GPU-like distributed
+types (`accelerate/state.py`); on CPU it stays `MULTI_CPU` and the run silently becomes DDP. torch's `fully_shard`
+itself runs on CPU with gloo, so `enable()` wraps `AcceleratorState.__init__` to switch a `MULTI_CPU` state that
+was given an `fsdp_plugin` to `FSDP` (and the process state with it, as accelerate's own `__init__` does: every later
+`AcceleratorState()` copies the process state's type back in, and saving would otherwise meet MULTI_CPU again).
+Everything after that decision is accelerate's and the Trainer's own path: the plugin from a launch config's
+environment (`accelerate launch --config_file configs/accelerate/fsdp2.yaml`) or from `TrainingArguments.fsdp_config`,
+`cpu_ram_efficient_loading` (meta-device load on the other ranks, weights broadcast from rank 0), `fully_shard` per
+decoder layer and the root (accelerate's `fsdp2_prepare_model`), DTensor parameters, gradients and optimizer state
+sharded on dim 0, the Trainer's `on_pre_optimizer_step` between backward and `optimizer.step`, the optimizer built
+from `create_optimizer` / `optimizer_cls_and_kwargs` and moved onto the shards, FULL_STATE_DICT saving, FSDP
+checkpoints and their loading on resume.
+What only a GPU run exercises: NCCL collectives and streams, FSDP2 mixed precision (`MixedPrecisionPolicy`, bf16
+params with fp32 reduce), CPU offload of parameters, FSDP activation checkpointing, overlap of communication with
+compute.
 """
 
 from __future__ import annotations
 
-import functools
 
-
-def patch_accelerator_state() -> None:
-    """Make `AcceleratorState` honour an `fsdp_plugin` on `MULTI_CPU` (idempotent)."""
-    from accelerate.state import AcceleratorState, PartialState
+def enable() -> None:
+    from accelerate import state as accelerate_state
     from accelerate.utils import DistributedType
 
-    if getattr(AcceleratorState.__init__, "_hf_stable_fsdp_cpu", False):
+    cls = accelerate_state.AcceleratorState
+    if getattr(cls.__init__, "_hf_stable_fsdp_cpu", False):
         return
-    original = AcceleratorState.__init__
+    original = cls.__init__
 
-    @functools.wraps(original)
     def __init__(self, *args, fsdp_plugin=None, **kwargs):
         original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
-            # as accelerate does at the end of its own __init__: every later `AcceleratorState()` copies the
-            # process state's type back in, and would otherwise turn the run into MULTI_CPU again (e.g. at save)
-            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            accelerate_state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
     __init__._hf_stable_fsdp_cpu = True
-    AcceleratorState.__init__ = __init__
+    cls.__init__ = __init__

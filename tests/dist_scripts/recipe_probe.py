@@ -265,9 +265,9 @@ if any("deepspeed" in a for a in sys.argv[1:]) or os.environ.get("ACCELERATE_USE
 
 
 if "--training.fsdp" in sys.argv[1:] or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-    from fsdp_cpu import patch_accelerator_state  # test only: accelerate runs FSDP2 on CPU ranks (see fsdp_cpu.py)
+    import fsdp_cpu  # test only: accelerate runs FSDP2 on CPU ranks (see fsdp_cpu.py)
 
-    patch_accelerator_state()
+    fsdp_cpu.enable()
 
 
 if __name__ == "__main__":
