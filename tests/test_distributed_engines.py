@@ -19,8 +19,8 @@ NCCL, the mixed-precision policies (bf16 parameters / fp32 reduce), parameter CP
 checkpointing and the overlap of communication with compute. (`--training.fsdp full_shard --training.fsdp_config
 '{fsdp_version: 2, ...}'` takes the same path from TrainingArguments instead of the environment.)
 
-Monitors and guards under these engines are another test's business (they log `monitor_off` / `guard_off` until
-the engine adapter lands); nothing here asserts on them.
+What the monitors and guards decide under these engines is tests/test_engines.py's business; nothing here asserts
+on it (they run here as the default recipe runs them).
 """
 
 from __future__ import annotations
