@@ -1,5 +1,9 @@
 """Greedy exact-match evaluation on held-out prompts (the recipe's before/after check).
 
+The prompts are the training prompts (``hf_stable.data.encode_prompt``: the chat template's generation prompt, the
+empty think block of a thinking template included) and generation stops where training taught an answer to end: at
+the template's end-of-turn token (``DataBundle.stop_token_ids``), not only at ``tokenizer.eos_token``.
+
 Where the parameters are sharded across ranks (DeepSpeed ZeRO-3, FSDP2), a forward gathers each layer's shards
 from every rank, so generation runs on every rank in step (`synced_gpus`) and the main process scores it; elsewhere
 the main process generates alone. Either way every rank ends with the main process's result.
@@ -24,13 +28,15 @@ def exact_match(
     *,
     max_new_tokens: int = 32,
     batch_size: int = 64,
+    stop_token_ids: Sequence[int] | None = None,
     synced: bool = False,
 ) -> dict:
-    """Generate greedily for each record and compare the answer (up to EOS) with the reference.
+    """Generate greedily for each record and compare the answer (up to the first stop token) with the reference.
 
-    Prompts are left-padded for generation only; training batches stay right-padded. `synced=True` (every rank
-    calls this with the same records) keeps the ranks' forwards in step until all are done, as sharded parameters
-    need (transformers' `synced_gpus`).
+    Prompts are left-padded for generation only; training batches stay right-padded. `stop_token_ids` default to
+    the tokenizer's EOS; pass ``DataBundle.stop_token_ids`` to stop at the template's end of turn. `synced=True`
+    (every rank calls this with the same records) keeps the ranks' forwards in step until all are done, as sharded
+    parameters need (transformers' `synced_gpus`).
 
     Returns:
         {"exact_match": fraction, "n": count, "by_family": {family: fraction}, "examples": first 5 triples}
@@ -39,7 +45,8 @@ def exact_match(
 
     was_training = model.training
     model.eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = [int(t) for t in (stop_token_ids or [tokenizer.eos_token_id])]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[-1]
     device = next(model.parameters()).device
     hits: list[bool] = []
     per_family: dict[str, list[bool]] = defaultdict(list)
@@ -61,12 +68,11 @@ def exact_match(
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
                     pad_token_id=pad,
-                    eos_token_id=tokenizer.eos_token_id,
+                    eos_token_id=stops,
                     synced_gpus=synced,
                 )
             for rec, row in zip(chunk, out[:, width:].tolist(), strict=False):
-                if tokenizer.eos_token_id in row:
-                    row = row[: row.index(tokenizer.eos_token_id)]
+                row = row[: next((k for k, t in enumerate(row) if t in stops), len(row))]
                 answer = tokenizer.decode(row, skip_special_tokens=True)
                 ok = _normalise(answer) == _normalise(reference(rec))
                 hits.append(ok)
@@ -139,6 +145,7 @@ def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
             reference_answer,
             max_new_tokens=eval_cfg.max_new_tokens,
             batch_size=eval_cfg.generation_batch_size,
+            stop_token_ids=getattr(data, "stop_token_ids", None),
             synced=sharded is not None,
         )
         out["exact_match"] = em["exact_match"]

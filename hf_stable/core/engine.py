@@ -41,6 +41,7 @@ class StepEngine:
     owns_step = False  # True: the engine steps inside backward (DeepSpeed); `StableTrainer` hosts the callbacks
     can_rerun = True  # the non-finite locator may re-run a step's micro-batches for fresh gradients
     whole_rows = True  # a local gradient holds whole rows of its parameter (row-wise clipping, AGC)
+    forward_is_collective = False  # a forward all-gathers weights: every rank must run the same forwards
 
     def __init__(self, model=None):
         self.skip_requested = False
@@ -95,7 +96,8 @@ class FSDP2Engine(StepEngine):
 
     name = "fsdp2"
     sharded = True
-    can_rerun = False  # a re-run of the forward would need FSDP's all-gathers outside the Trainer's step
+    can_rerun = False  # a backward outside the Trainer's step would run FSDP's reduce-scatters
+    forward_is_collective = True
 
     def local_grads(self, params: list) -> list[torch.Tensor | None]:
         return [None if p.grad is None else (p.grad.to_local() if _is_dtensor(p.grad) else p.grad) for p in params]
@@ -117,6 +119,7 @@ class DeepSpeedEngine(StepEngine):
         super().__init__(model)
         self.stage = stage
         self.name = f"deepspeed_zero{stage}"
+        self.forward_is_collective = stage == 3
         self._empty: dict[int, torch.Tensor] = {}  # one empty tensor per parameter without a local fragment
 
     def local_grads(self, params: list) -> list[torch.Tensor | None]:
