@@ -119,6 +119,10 @@ def load_model(cfg: RunConfig, base: str):
         if "attn_implementation" in str(e) or "attention" in str(e).lower():
             raise ModelError(f"attention.implementation: {attn!r} rejected by transformers: {e}") from None
         raise
+    if cfg.model.quantization.enabled:
+        from hf_stable.compat import keep_cpu_4bit_layout
+
+        keep_cpu_4bit_layout(model)  # the frozen weights stay as loaded, in eval as in training
     return model
 
 

@@ -38,14 +38,18 @@ def load_quantized(path: Path, attn_implementation: str = "sdpa", **quant):
 
     from hf_stable.config.quantization import QuantizationConfig
 
+    from hf_stable.compat import keep_cpu_4bit_layout
+
     q = QuantizationConfig(**{"load_in": "4bit", "compute_dtype": "float32", **quant})
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         path,
         quantization_config=q.bnb_config(),
         device_map={"": "cpu"},
         dtype=torch.float32,
         attn_implementation=attn_implementation,
     )
+    keep_cpu_4bit_layout(model)  # as hf_stable.modeling.load_model does
+    return model
 
 
 def quantized_lora_llama(path: Path, seed: int = 0, gradient_checkpointing: bool = False, **quant):

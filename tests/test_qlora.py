@@ -233,3 +233,67 @@ def test_resume_from_a_checkpoint_is_bitwise_with_8bit_state(base_dir, tmp_path)
     assert weights_equal(rec_full.weights[8], rec_resumed.weights[8])
     assert _eight_bit_keys(rec_full.state[8]) and _states_equal(rec_full.state[8], rec_resumed.state[8])
     assert full.state.global_step == 8
+
+
+# --- attention, QK-clip, snapshot sizes -------------------------------------------------------------------------
+
+
+def test_hf_stable_attention_equals_sdpa_on_the_quantized_model(base_dir):
+    from hf_stable.attention import register
+    from hf_stable.config import AttentionConfig
+
+    register(AttentionConfig())
+    ids = torch.tensor(token_data(n=4)[0]["input_ids"]).view(1, -1).repeat(2, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # one left-padded row
+    out = {}
+    for impl in ("sdpa", "hf_stable"):
+        model = quantized_lora_llama(base_dir, attn_implementation=impl)
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        out[impl] = (loss.detach(), grads)
+    assert torch.equal(out["sdpa"][0], out["hf_stable"][0])
+    assert all(torch.equal(g, out["hf_stable"][1][n]) for n, g in out["sdpa"][1].items())
+
+
+def test_qk_clip_refuses_quantized_projections_by_name(base_dir):
+    from hf_stable.attention.qk_clip import attention_layers, clip_layer, layer_mode
+
+    model = quantized_lora_llama(base_dir)
+    attn = attention_layers(model)[0]
+    mode, reason = layer_mode(attn)
+    assert mode == "refused" and "quantized" in reason and "sharded" not in reason
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert clip_layer(attn, [500.0] * 4, tau=100.0).action == "refused"
+    assert weights_equal(before, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
+
+
+def test_snapshot_size_predicts_the_8bit_state_before_the_first_step(base_dir, tmp_path):
+    from hf_stable.core.snapshot_size import estimate_size, snapshot_size
+
+    model = quantized_lora_llama(base_dir)
+    opt = build_optimizer(model, OPTIM, training_args(tmp_path))
+    predicted = snapshot_size(opt)
+    assert not predicted.state_measured
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
+    opt.step()
+    measured = snapshot_size(opt)
+    assert measured.state_measured and predicted.state == measured.state
+    assert measured.state < measured.params  # 8-bit moments: below the fp32 weights, where AdamW's are 2x them
+    n = 10**6
+    assert estimate_size(n, 4, "paged_adamw_8bit").state < 0.26 * estimate_size(n, 4, "adamw").state
+
+
+def test_an_eval_forward_leaves_the_4bit_weights_as_loaded(base_dir):
+    from hf_stable.compat import keep_cpu_4bit_layout
+
+    model = quantized_lora_llama(base_dir)
+    assert keep_cpu_4bit_layout(model) == 0  # already done by the loader: nothing left to change
+    base = model.base_model.model.model.layers[0].mlp.down_proj.base_layer
+    before = base.weight.detach().clone()
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert torch.equal(base.weight.detach(), before)
+    assert not getattr(base.weight.quant_state, "packing_format_for_cpu", False)

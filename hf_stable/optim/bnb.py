@@ -61,8 +61,5 @@ def predicted_state_bytes(optimizer) -> int | None:
     tensors = _CLASS_TENSORS.get(type(optimizer).__name__.lower())
     if tensors is None or not is_bnb_optimizer(optimizer):
         return None
-    total = 0
-    for group in optimizer.param_groups:
-        minimum = int(group.get("min_8bit_size", optimizer.defaults.get("min_8bit_size", 4096)))
-        total += sum(state_bytes(p.numel(), tensors, minimum) for p in group["params"])
-    return total
+    minimum = int(getattr(getattr(optimizer, "args", None), "min_8bit_size", 4096))  # bitsandbytes keeps it there
+    return sum(state_bytes(p.numel(), tensors, minimum) for g in optimizer.param_groups for p in g["params"])
