@@ -36,9 +36,8 @@ def load_quantized(path: Path, attn_implementation: str = "sdpa", **quant):
     """The saved base in 4-bit NF4 (double quant, fp32 compute: exact enough and fast on CPU) on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    from hf_stable.config.quantization import QuantizationConfig
-
     from hf_stable.compat import keep_cpu_4bit_layout
+    from hf_stable.config.quantization import QuantizationConfig
 
     q = QuantizationConfig(**{"load_in": "4bit", "compute_dtype": "float32", **quant})
     model = AutoModelForCausalLM.from_pretrained(

@@ -297,3 +297,70 @@ def test_an_eval_forward_leaves_the_4bit_weights_as_loaded(base_dir):
         model(input_ids=torch.tensor([[1, 2, 3]]))
     assert torch.equal(base.weight.detach(), before)
     assert not getattr(base.weight.quant_state, "packing_format_for_cpu", False)
+
+
+# --- the doctor's memory estimate ---------------------------------------------------------------------------------
+
+
+def _meta(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_memory_estimate_counts_4bit_weights_and_8bit_state_for_the_8b_recipe():
+    from transformers import LlamaConfig
+
+    from hf_stable.config.doctor import DoctorConfig
+    from hf_stable.doctor.memory_estimate import GIB, estimate_memory, memory_findings
+    from hf_stable.doctor.settings import resolve_settings
+
+    # Llama-3.1-8B's shape on the meta device (no weights)
+    llama = _meta(
+        LlamaConfig(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+        )
+    )
+    out = {}
+    for name in ("llama3.1-8b-lora", "llama3.1-8b-qlora"):
+        cfg = load_config(f"configs/{name}.yaml", check=False)
+        s = resolve_settings(cfg, None, remove_unused_columns=False)
+        out[name] = (cfg, s, estimate_memory(llama, cfg, s, meta=True))
+    bf16, qlora = out["llama3.1-8b-lora"][2], out["llama3.1-8b-qlora"][2]
+    linear = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # every projection of every layer
+    assert bf16.parts["frozen weights"] == 2 * (linear + 2 * 128256 * 4096 + 65 * 4096)  # bf16, with norms
+    # NF4: half a byte per weight plus the double-quantized block scales (~1/64 byte)
+    assert linear / 2 < qlora.parts["quantized weights"] < linear * (0.5 + 1.1 / 64)
+    # embeddings + head + norms in fp32 after prepare_model_for_kbit_training
+    assert qlora.parts["unquantized weights (embeddings, lm_head, norms)"] == 4 * (2 * 128256 * 4096 + 65 * 4096)
+    # paged 8-bit AdamW: ~2 bytes per LoRA parameter instead of AdamW's 8
+    assert qlora.parts["optimizer state"] < 0.26 * bf16.parts["optimizer state"]
+    assert qlora.total < 24 * 0.9 * GIB < bf16.total
+    cfg, s, _ = out["llama3.1-8b-qlora"]
+    (finding,) = memory_findings(cfg, s, cfg.doctor_checks, meta_model=llama)
+    assert finding.severity == "info" and "largest: logits" in finding.what and "fits" in finding.what
+    cfg, s, _ = out["llama3.1-8b-lora"]
+    (finding,) = memory_findings(cfg, s, DoctorConfig(memory_budget_gib=24), meta_model=llama)
+    assert finding.severity == "warning" and "exceeds" in finding.what and "load_in: 4bit" in finding.fix
+
+
+def test_memory_estimate_of_a_meta_model_predicts_the_loaded_4bit_storage(base_dir):
+    from transformers import AutoConfig
+
+    from hf_stable.doctor.memory_estimate import estimate_memory
+    from hf_stable.doctor.settings import resolve_settings
+
+    cfg = load_config("configs/tiny-qlora.yaml", ["--lora.r", "16"], check=False)
+    s = resolve_settings(cfg, None, remove_unused_columns=False)
+    real = estimate_memory(quantized_lora_llama(base_dir, double_quant=True), cfg, s)
+    meta = estimate_memory(_meta(AutoConfig.from_pretrained(base_dir)), cfg, s, meta=True)
+    for part in ("quantized weights", "unquantized weights (embeddings, lm_head, norms)", "trainable weights"):
+        assert meta.parts[part] == pytest.approx(real.parts[part], rel=0.02), part
+    assert meta.parts["optimizer state"] == pytest.approx(real.parts["optimizer state"], rel=0.02)
