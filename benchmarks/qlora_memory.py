@@ -9,8 +9,9 @@ subprocess (so each peak RSS is its own), arms alternating when `--reps` > 1. An
 recipe does (`hf_stable.modeling.load_model` + `apply_lora`: bitsandbytes quantization on load,
 `prepare_model_for_kbit_training`, gradient checkpointing non-reentrant), builds the factory's optimizer and takes
 `--steps` optimizer steps under bf16 autocast on random tokens. Memory: the process's peak RSS from just before the
-model is loaded (the kernel's high-water mark, reset through /proc/self/clear_refs) minus the RSS of the bare
-process at that point (Python, torch, bitsandbytes), next to `estimate_memory` for the loaded model. Step time is
+model is trained (the kernel's high-water mark, reset through /proc/self/clear_refs once the model is loaded: loading
+has its own transients, e.g. the bf16 checkpoint next to its fp32 upcast) minus the RSS of the bare process before
+the model was loaded (Python, torch, bitsandbytes), next to `estimate_memory` for the loaded model. Step time is
 the median after the first step (contended 2-core machine: compare arms, not absolute numbers).
 """
 
@@ -98,9 +99,14 @@ def run_arm(arm: str, base: str, seq: int, batch: int, steps: int) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
     model = apply_lora(load_model(cfg, base), cfg.lora, gradient_checkpointing=True)
     model.train()
+    with torch.no_grad():  # make every weight resident, as on a GPU: an mmap'd checkpoint is read only where used
+        for p in model.parameters():
+            p.view(-1)[:: max(1, 4096 // p.element_size())].sum()
     estimate = estimate_memory(model, cfg, s)
     optimizer = build_optimizer(model, cfg.optim, lr=2e-4, weight_decay=0.0)
-    loaded = _rss() - bare
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    load_peak, loaded = _peak_since_reset() - bare, _rss() - bare
+    Path("/proc/self/clear_refs").write_text("5")  # training's own peak from here (loading has its own transients)
     g = torch.Generator().manual_seed(0)
     times = []
     for _ in range(steps):
@@ -117,6 +123,7 @@ def run_arm(arm: str, base: str, seq: int, batch: int, steps: int) -> dict:
         "arm": arm,
         "peak_gib": peak / GIB,
         "loaded_gib": loaded / GIB,
+        "load_peak_gib": load_peak / GIB,
         "estimate_gib": estimate.total / GIB,
         "largest": estimate.largest()[0],
         "estimate_parts": {k: round(v / GIB, 3) for k, v in estimate.parts.items()},

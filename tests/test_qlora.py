@@ -364,3 +364,22 @@ def test_memory_estimate_of_a_meta_model_predicts_the_loaded_4bit_storage(base_d
     for part in ("quantized weights", "unquantized weights (embeddings, lm_head, norms)", "trainable weights"):
         assert meta.parts[part] == pytest.approx(real.parts[part], rel=0.02), part
     assert meta.parts["optimizer state"] == pytest.approx(real.parts["optimizer state"], rel=0.02)
+
+
+def test_doctor_dry_run_on_the_tiny_qlora_recipe_restores_the_adapter(tmp_path):
+    from hf_stable.doctor import run_doctor
+    from hf_stable.modeling import apply_lora, load_model, resolve_base
+    from tests.helpers import by_check, make_workdir, tiny_args
+
+    cfg = load_config("configs/tiny-qlora.yaml", tiny_args(make_workdir(tmp_path)))
+    base = resolve_base(cfg.model)
+    torch.manual_seed(0)
+    model = apply_lora(load_model(cfg, base), cfg.lora)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    report = run_doctor(cfg, model=model)
+    assert report.exit_code == 0, [f.what for f in report.blocking_findings()]
+    assert report.facts["dry_run"]["steps"] == cfg.doctor_checks.dry_run_steps
+    (memory,) = by_check(report, "hazards.memory_estimate")
+    assert "quantized weights" in memory.evidence and "base in 4bit nf4" in memory.evidence
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)  # 4-bit weights too

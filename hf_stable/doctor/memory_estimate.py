@@ -13,7 +13,9 @@ every projection: each projection's input is kept for its LoRA factor, attention
 (memory-efficient SDPA: no s x s matrix), the MLP its gate/up/activation outputs. With gradient checkpointing
 only each layer's input is kept, plus one layer's set while it is recomputed. Logits are counted in the compute
 dtype plus their fp32 copy, log-softmax and gradient (the loss upcasts). Frozen 4-bit weights are dequantized
-one matmul at a time, so the largest such weight in the compute dtype is added once, twice in the backward.
+one matmul at a time, so the largest such weight in the compute dtype is added once, twice in the backward; under
+bf16/fp16 autocast the fp32 lm_head left by `prepare_model_for_kbit_training` is cast to 16 bits and that copy is
+kept for the backward.
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ def estimate_memory(model, cfg, s, *, meta: bool = False) -> MemoryEstimate:
     if q.enabled:
         parts["unquantized weights (embeddings, lm_head, norms)"] = other
         parts["dequantized weight (transient)"] = 2 * largest * _DTYPE_BYTES.get(q.compute_dtype, 2)
+        if s.bf16 or s.fp16:  # autocast's 16-bit copy of the fp32 head, kept for the backward
+            parts["lm_head autocast copy"] = vocab * h * 2
     est = MemoryEstimate({k: int(v) for k, v in parts.items() if v})
     if meta:
         est.notes.append("weights predicted from the model config (meta device)")

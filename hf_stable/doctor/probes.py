@@ -32,8 +32,18 @@ class ModelFacts:
     trainable_bytes: int = 0
 
 
-# Layer classes peft's LoRA can wrap (transformers' GPT-2 style Conv1D included).
-LORA_WRAPPABLE = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "NonDynamicallyQuantizableLinear")
+# Layer classes peft's LoRA can wrap (transformers' GPT-2 style Conv1D and bitsandbytes' quantized layers included).
+LORA_WRAPPABLE = (
+    "Linear",
+    "Embedding",
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "Conv1D",
+    "NonDynamicallyQuantizableLinear",
+    "Linear4bit",
+    "Linear8bitLt",
+)
 
 
 def model_facts(model) -> ModelFacts:
