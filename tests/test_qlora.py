@@ -8,6 +8,7 @@ rollback restores it exactly, a resume continues bit for bit.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -383,3 +384,21 @@ def test_doctor_dry_run_on_the_tiny_qlora_recipe_restores_the_adapter(tmp_path):
     assert "quantized weights" in memory.evidence and "base in 4bit nf4" in memory.evidence
     after = model.state_dict()
     assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)  # 4-bit weights too
+
+
+@pytest.mark.parametrize("factor", [float("nan"), 60.0])
+def test_forensics_name_the_poisoned_record_over_the_quantized_base(base_dir, tmp_path, monkeypatch, factor):
+    import tests.dist_scripts.forensics_run as fr
+    from hf_stable.forensics.quarantine import read_quarantine
+
+    # the forensics tests' poisoned run (a record whose logits are scaled or NaN'd), on the 4-bit base
+    monkeypatch.setattr(fr, "tiny_lora_llama", lambda: quantized_lora_llama(base_dir))
+    idx = fr.position_of(6)
+    trainer, skip, _ = fr.build(tmp_path, factor=factor, poison_index=idx, steps=8)
+    assert "Linear4bit" in type(trainer.model.base_model.model.model.layers[0].mlp.up_proj.base_layer).__name__
+    trainer.train()
+    assert skip.skipped_steps == [6]
+    (entry,) = read_quarantine(tmp_path)
+    assert entry["where"] == f"train.jsonl:{idx + 1}" and entry["step"] == 6
+    assert entry["reason"] == ("nonfinite_loss" if math.isnan(factor) else "loss_outlier")
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters() if p.is_floating_point())
