@@ -352,15 +352,16 @@ def test_memory_estimate_counts_4bit_weights_and_8bit_state_for_the_8b_recipe():
     assert finding.severity == "warning" and "exceeds" in finding.what and "load_in: 4bit" in finding.fix
 
 
-def test_memory_estimate_of_a_meta_model_predicts_the_loaded_4bit_storage(base_dir):
+@pytest.mark.parametrize("load_in", ["4bit", "8bit"])
+def test_memory_estimate_of_a_meta_model_predicts_the_loaded_storage(base_dir, load_in):
     from transformers import AutoConfig
 
     from hf_stable.doctor.memory_estimate import estimate_memory
     from hf_stable.doctor.settings import resolve_settings
 
-    cfg = load_config("configs/tiny-qlora.yaml", ["--lora.r", "16"], check=False)
+    cfg = load_config("configs/tiny-qlora.yaml", ["--model.quantization.load_in", load_in], check=False)
     s = resolve_settings(cfg, None, remove_unused_columns=False)
-    real = estimate_memory(quantized_lora_llama(base_dir, double_quant=True), cfg, s)
+    real = estimate_memory(quantized_lora_llama(base_dir, load_in=load_in), cfg, s)
     meta = estimate_memory(_meta(AutoConfig.from_pretrained(base_dir)), cfg, s, meta=True)
     for part in ("quantized weights", "unquantized weights (embeddings, lm_head, norms)", "trainable weights"):
         assert meta.parts[part] == pytest.approx(real.parts[part], rel=0.02), part
@@ -402,3 +403,23 @@ def test_forensics_name_the_poisoned_record_over_the_quantized_base(base_dir, tm
     assert entry["where"] == f"train.jsonl:{idx + 1}" and entry["step"] == 6
     assert entry["reason"] == ("nonfinite_loss" if math.isnan(factor) else "loss_outlier")
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters() if p.is_floating_point())
+
+
+def test_an_8bit_base_trains_its_adapter(base_dir, tmp_path):
+    import bitsandbytes as bnb
+
+    model = quantized_lora_llama(base_dir, load_in="8bit")
+    assert isinstance(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer, bnb.nn.Linear8bitLt)
+    opt = build_optimizer(model, OPTIM, training_args(tmp_path))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    ids = torch.tensor([row["input_ids"].tolist() for row in token_data(n=4)])
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] and all(math.isfinite(v) for v in losses)
+    moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert len(moved) == len(before)  # every LoRA factor, A and B, trained over the frozen int8 weights
