@@ -97,7 +97,7 @@ def run_arm(arm: str, base: str, seq: int, batch: int, steps: int) -> dict:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     bare = _rss()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
-    model = apply_lora(load_model(cfg, base), cfg.lora, gradient_checkpointing=True)
+    model = apply_lora(load_model(cfg, base), cfg.lora, True, quantization=cfg.model.quantization)
     model.train()
     with torch.no_grad():  # make every weight resident, as on a GPU: an mmap'd checkpoint is read only where used
         for p in model.parameters():

@@ -126,12 +126,12 @@ def load_model(cfg: RunConfig, base: str):
     return model
 
 
-def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool = False):
+def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool = False, quantization=None):
     """Wrap `model` with a peft LoRA adapter (or return it unchanged for a full fine-tune).
 
     A quantized base first goes through peft's `prepare_model_for_kbit_training`: every base weight frozen, the
-    weights left in 16-bit (embeddings, lm_head, norms) cast to fp32 for stable updates of what flows through
-    them, and gradient checkpointing (non-reentrant) when asked.
+    weights left in 16-bit (embeddings, lm_head, norms) cast to fp32 (unless `quantization.upcast_fp32` is off:
+    then they keep their dtype), and gradient checkpointing (non-reentrant) when asked.
 
     Raises:
         ModelError: `lora.target_modules` matches no module of the model; a full fine-tune of a quantized base.
@@ -141,11 +141,16 @@ def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool = False):
             raise ModelError("lora.enabled: false on a quantized base; quantized weights cannot be trained")
         from peft import prepare_model_for_kbit_training
 
+        dtypes = {name: p.dtype for name, p in model.named_parameters()}
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
+        if quantization is not None and not quantization.upcast_fp32:
+            for name, p in model.named_parameters():
+                if p.dtype != dtypes[name]:
+                    p.data = p.data.to(dtypes[name])
     if gradient_checkpointing:
         # With frozen base weights the checkpointed blocks would see inputs that do not require grad.
         model.enable_input_require_grads()

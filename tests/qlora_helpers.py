@@ -32,7 +32,7 @@ def save_tiny_llama(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def load_quantized(path: Path, attn_implementation: str = "sdpa", **quant):
+def load_quantized(path: Path, attn_implementation: str = "sdpa", dtype=torch.float32, **quant):
     """The saved base in 4-bit NF4 (double quant, fp32 compute: exact enough and fast on CPU) on the CPU."""
     from transformers import AutoModelForCausalLM
 
@@ -44,7 +44,7 @@ def load_quantized(path: Path, attn_implementation: str = "sdpa", **quant):
         path,
         quantization_config=q.bnb_config(),
         device_map={"": "cpu"},
-        dtype=torch.float32,
+        dtype=dtype,
         attn_implementation=attn_implementation,
     )
     keep_cpu_4bit_layout(model)  # as hf_stable.modeling.load_model does

@@ -376,7 +376,7 @@ def test_doctor_dry_run_on_the_tiny_qlora_recipe_restores_the_adapter(tmp_path):
     cfg = load_config("configs/tiny-qlora.yaml", tiny_args(make_workdir(tmp_path)))
     base = resolve_base(cfg.model)
     torch.manual_seed(0)
-    model = apply_lora(load_model(cfg, base), cfg.lora)
+    model = apply_lora(load_model(cfg, base), cfg.lora, quantization=cfg.model.quantization)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     report = run_doctor(cfg, model=model)
     assert report.exit_code == 0, [f.what for f in report.blocking_findings()]
@@ -423,3 +423,31 @@ def test_an_8bit_base_trains_its_adapter(base_dir, tmp_path):
     assert losses[-1] < losses[0] and all(math.isfinite(v) for v in losses)
     moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert len(moved) == len(before)  # every LoRA factor, A and B, trained over the frozen int8 weights
+
+
+@pytest.mark.parametrize("upcast", [True, False])
+def test_upcast_fp32_decides_the_dtype_of_the_unquantized_weights_and_the_estimate_follows(base_dir, upcast):
+    from transformers import AutoConfig
+
+    from hf_stable.config.model import LoraSection
+    from hf_stable.config.quantization import QuantizationConfig
+    from hf_stable.doctor.memory_estimate import estimate_memory
+    from hf_stable.doctor.settings import resolve_settings
+    from hf_stable.modeling import apply_lora
+    from tests.qlora_helpers import TARGETS, load_quantized
+
+    quant = QuantizationConfig(load_in="4bit", compute_dtype="bfloat16", upcast_fp32=upcast)
+    model = load_quantized(base_dir, dtype=torch.bfloat16, compute_dtype="bfloat16")
+    model = apply_lora(model, LoraSection(r=16, target_modules=TARGETS), quantization=quant)
+    want = torch.float32 if upcast else torch.bfloat16
+    head = model.get_output_embeddings().weight
+    assert model.get_input_embeddings().weight.dtype == want and head.dtype == want
+    argv = ["--model.dtype", "bfloat16", "--model.quantization.compute_dtype", "bfloat16", "--training.bf16", "true"]
+    argv += ["--model.quantization.upcast_fp32", str(upcast).lower()]
+    cfg = load_config("configs/tiny-qlora.yaml", argv, check=False)
+    s = resolve_settings(cfg, None, remove_unused_columns=False)
+    real = estimate_memory(model, cfg, s)
+    meta = estimate_memory(_meta(AutoConfig.from_pretrained(base_dir)), cfg, s, meta=True)
+    key = "unquantized weights (embeddings, lm_head, norms)"
+    assert real.parts[key] == meta.parts[key] == (2 if not upcast else 4) * (2 * 128 * 64 + 5 * 64)
+    assert ("lm_head autocast copy" in real.parts) == ("lm_head autocast copy" in meta.parts) == upcast

@@ -44,6 +44,14 @@ class QuantizationConfig:
         default="bfloat16",
         metadata=_h("Dtype the 4-bit weights are dequantized to for each matmul (match training.bf16/fp16)."),
     )
+    upcast_fp32: bool = field(
+        default=True,
+        metadata=_h(
+            "Cast the weights left in 16 bits (embeddings, lm_head, norms) to fp32, as peft's "
+            "prepare_model_for_kbit_training does. false keeps model.dtype: under bf16/fp16 autocast the head's matmul "
+            "runs in 16 bits either way, and a 128k-vocabulary model saves ~2 GiB plus autocast's copy of the head."
+        ),
+    )
     skip_modules: list[str] = field(
         default_factory=list,
         metadata=_h("Modules kept in full precision besides lm_head (bitsandbytes' llm_int8_skip_modules)."),

@@ -200,7 +200,8 @@ def _dry_run(report: DoctorReport, cfg, s, doctor: DoctorConfig, base, model, da
             from hf_stable.modeling import apply_lora, load_model
 
             set_seed(int(s.get("seed", 42)))  # the LoRA init is random: seed it so the report is reproducible
-            model = apply_lora(load_model(cfg, base), cfg.lora, gradient_checkpointing=s.gradient_checkpointing)
+            model = load_model(cfg, base)
+            model = apply_lora(model, cfg.lora, s.gradient_checkpointing, quantization=cfg.model.quantization)
         facts, findings = run_dry_run(model, data, cfg, s, doctor)
     except Exception as e:
         report.add(_crash("dry_run.crash", "the dry run failed", e))

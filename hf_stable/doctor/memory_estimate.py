@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from hf_stable.optim.bnb import STATE_TENSORS as BNB_STATE_TENSORS
 from hf_stable.optim.bnb import state_bytes as bnb_state_bytes
 
@@ -91,7 +93,8 @@ def _weights(model, cfg, meta: bool) -> tuple[int, int, int, int, list[int]]:
     """(quantized bytes, other frozen bytes, trainable bytes, largest quantized weight's numel, trainable numels)."""
     q = cfg.model.quantization
     dtype = cfg.model.dtype if cfg.model.dtype in _DTYPE_BYTES else "float32"
-    frozen_bytes = 4 if q.enabled else _DTYPE_BYTES[dtype]  # prepare_model_for_kbit_training upcasts to fp32
+    # prepare_model_for_kbit_training upcasts the 16-bit weights left to fp32 (model.quantization.upcast_fp32)
+    frozen_bytes = 4 if q.enabled and q.upcast_fp32 else _DTYPE_BYTES[dtype]
     quant = other = largest = 0
     seen = set()
     for name, module in model.named_modules():
@@ -168,7 +171,11 @@ def estimate_memory(model, cfg, s, *, meta: bool = False) -> MemoryEstimate:
     if q.enabled:
         parts["unquantized weights (embeddings, lm_head, norms)"] = other
         parts["dequantized weight (transient)"] = 2 * largest * _DTYPE_BYTES.get(q.compute_dtype, 2)
-        if s.bf16 or s.fp16:  # autocast's 16-bit copy of the fp32 head, kept for the backward
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        fp32_head = head is not None and (
+            head.weight.dtype == torch.float32 if not meta else q.upcast_fp32 or cfg.model.dtype == "float32"
+        )
+        if (s.bf16 or s.fp16) and fp32_head:  # autocast's 16-bit copy of the fp32 head, kept for the backward
             parts["lm_head autocast copy"] = vocab * h * 2
     est = MemoryEstimate({k: int(v) for k, v in parts.items() if v})
     if meta:
