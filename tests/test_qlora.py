@@ -419,7 +419,7 @@ def test_an_8bit_base_trains_its_adapter(base_dir, tmp_path):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0] and all(math.isfinite(v) for v in losses)
     moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert len(moved) == len(before)  # every LoRA factor, A and B, trained over the frozen int8 weights
