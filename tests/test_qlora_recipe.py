@@ -154,3 +154,18 @@ def test_8b_and_7b_qlora_recipes_pass_the_doctor_on_a_reduced_model_of_their_sha
     assert "quantized weights" in memory["evidence"] and "optimizer state" in memory["evidence"]
     dry = report["facts"]["dry_run"]  # two real optimizer steps on the quantized model
     assert dry["steps"] == 2 and all(math.isfinite(loss) for loss in dry["losses"]), dry
+
+
+def test_the_qlora_adapter_merges_into_the_unquantized_base(qlora_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, _ = qlora_run
+    base_path = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250]])
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), str(out)).eval()
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        merged = model.merge_and_unload()(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(base_path).eval()(input_ids=ids).logits
+    assert torch.allclose(adapted, merged, atol=1e-4) and not torch.allclose(adapted, plain, atol=1e-3)

@@ -27,16 +27,8 @@ def quantization_markdown(cfg) -> str:
     )
     return (
         f"The base was loaded in {what} through bitsandbytes (QLoRA); only the adapter was trained and saved. "
-        "To merge it, load the base unquantized, in bfloat16, not the quantized one: merging into 4-bit weights "
-        "rounds the update away.\n\n"
-        "```python\n"
-        "import torch\n"
-        "from peft import PeftModel\n"
-        "from transformers import AutoModelForCausalLM\n\n"
-        f'base = AutoModelForCausalLM.from_pretrained("{cfg.model.name_or_path}", dtype=torch.bfloat16)\n'
-        'merged = PeftModel.from_pretrained(base, "<this directory>").merge_and_unload()\n'
-        'merged.save_pretrained("merged")\n'
-        "```"
+        "To merge it, load the base unquantized, in bfloat16, not the quantized one (merging into 4-bit weights "
+        "rounds the update away):"
     )
 
 
