@@ -218,6 +218,35 @@ def test_two_ranks_name_the_same_culprit_and_stay_identical(tmp_path):
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("engine", ["zero2", "fsdp2"])
+def test_sharded_engines_name_the_same_culprit_on_both_ranks(tmp_path, engine):
+    """Under ZeRO-2 and FSDP2 the bad step's record ids and per-sample losses are gathered as under DDP: both ranks
+    skip the step, name the poisoned line and quarantine it alike, and end with the same full weights."""
+    from tests.dist_scripts.harness import torchrun_two_ranks
+
+    idx = position_of(6)
+    torchrun_two_ranks(
+        SCRIPT,
+        str(tmp_path),
+        "--poison-index",
+        str(idx),
+        "--steps",
+        "8",
+        "--save-steps",
+        "0",
+        "--engine",
+        engine,
+        timeout=380,
+    )
+    (r0, w0), (r1, w1) = _result(tmp_path, 0), _result(tmp_path, 1)
+    assert r0["quarantine"] == r1["quarantine"] and r0["skipped"] == r1["skipped"] and len(r0["skipped"]) == 1
+    assert [e["where"] for e in r0["quarantine"]["entries"]] == [f"train.jsonl:{idx + 1}"]
+    assert all(torch.equal(w0[k], w1[k]) for k in w0) and all(torch.isfinite(w).all() for w in w0.values())
+
+
 def test_a_degenerate_answer_is_quarantined_before_the_first_step_and_never_trained_on(tmp_path, monkeypatch):
     import hf_stable.callbacks.spike_forensics as sf
     from hf_stable.data.identity import degenerate_answer

@@ -153,7 +153,15 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--packing", action="store_true")
     p.add_argument("--screen", action="store_true", help="screening: every sample a suspect (SCREEN_ALL)")
+    p.add_argument("--engine", default="ddp", help="ddp, zero1/2/3 or fsdp2 (tests/dist_scripts/engines.py)")
     a = p.parse_args()
+    engine_kw = {}
+    if a.engine != "ddp":
+        import fsdp_cpu
+        from engines import engine_args
+
+        fsdp_cpu.enable()
+        engine_kw = engine_args(a.engine)
     out = Path(a.out)
     callbacks = [KillAfterSave(a.kill_at)] if a.kill_at else []
     trainer, skip, forensics = build(
@@ -163,8 +171,9 @@ def main() -> None:
         poison_index=a.poison_index,
         callbacks=callbacks,
         forensics_kw=SCREEN_ALL if a.screen else None,
-        save_strategy="steps",
-        save_steps=a.save_steps,
+        save_strategy="steps" if a.save_steps else "no",
+        save_steps=a.save_steps or 500,
+        **engine_kw,
     )
     resume = None
     if a.resume:
@@ -173,7 +182,13 @@ def main() -> None:
         resume = get_last_checkpoint(str(out))
     trainer.train(resume_from_checkpoint=resume)
     r = int(os.environ.get("RANK", "0"))
-    lora = {n: t.detach().clone() for n, t in trainer.model.named_parameters() if "lora_" in n}
+    if a.engine == "ddp":
+        lora = {n: t.detach().clone() for n, t in trainer.model.named_parameters() if "lora_" in n}
+    else:  # the full tensors, gathered from the ranks' parts
+        from engines import full_weights
+
+        names = [n for n, t in trainer.model.named_parameters() if t.requires_grad]
+        lora = dict(zip(names, full_weights(trainer.model), strict=True))
     torch.save(lora, out / f"lora_rank{r}.pt")
     (out / f"result_rank{r}.json").write_text(
         json.dumps(
