@@ -62,7 +62,7 @@ def main(argv: list[str]) -> None:
         tokenizer = load_tokenizer(cfg.model, base)
         set_seed(args.seed)  # LoRA's random init must not depend on the process or the run
         model = load_model(cfg, base)
-        model = apply_lora(model, cfg.lora, gradient_checkpointing=args.gradient_checkpointing)
+        model = apply_lora(model, cfg.lora, args.gradient_checkpointing, quantization=cfg.model.quantization)
         n_trainable, n_total = count_parameters(model)
         logger.info("model %s: %d trainable of %d parameters", cfg.model.name_or_path, n_trainable, n_total)
 

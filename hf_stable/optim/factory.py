@@ -1,4 +1,4 @@
-"""Build the optimizer (AdamW, Lion, SGD) over `param_groups`, with the fp16 eps guard.
+"""Build the optimizer (AdamW, Lion, SGD, bitsandbytes' 8-bit ones) over `param_groups`, with the fp16 eps guard.
 
 The recipe hands the result to the Trainer as `optimizers=(optimizer, None)`: the Trainer still builds the
 scheduler, and its LambdaLR scales each group from the group's own LR. Under FSDP the Trainer refuses a prebuilt
@@ -19,6 +19,7 @@ import torch
 
 from hf_stable.config.optim import OptimConfig
 from hf_stable.errors import ConfigError
+from hf_stable.optim.bnb import BNB_OPTIMIZERS, bnb_optimizer
 from hf_stable.optim.groups import BaseHyperparameters, check_config, param_groups, resolve_hyperparameters
 
 
@@ -131,7 +132,20 @@ def optimizer_over_groups(
             nesterov=cfg.sgd_nesterov and cfg.sgd_momentum > 0,
             weight_decay=hp.weight_decay,
         )
-    raise ConfigError(f"{key}: got {name!r}, allowed: 'adamw', 'lion', 'sgd'")
+    if name in BNB_OPTIMIZERS:
+        betas = hp.betas if name != "lion_8bit" else tuple(cfg.lion_betas)
+        eps = guarded_eps(cfg, hp) if name != "lion_8bit" else hp.eps
+        return bnb_optimizer(
+            name,
+            groups,
+            lr=hp.lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=hp.weight_decay,
+            min_8bit_size=cfg.bnb_min_8bit_size,
+        )
+    allowed = ", ".join(repr(n) for n in ("adamw", "lion", "sgd", *BNB_OPTIMIZERS))
+    raise ConfigError(f"{key}: got {name!r}, allowed: {allowed}")
 
 
 class OptimizerFactory:
