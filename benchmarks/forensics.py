@@ -96,15 +96,32 @@ def poisoned_file(path: Path, seed: int, per_kind: int = 5, n: int | None = None
     return {k + 1: kind for k, (kind, _) in enumerate(lines) if kind is not None}
 
 
-def run(train_file: Path, out: Path, arm: str, seed: int, steps: int, base: Path | None = None) -> dict:
-    """One recipe run; returns its quarantine entries, eval loss, train runtime and attributed bad steps."""
+def mislabeled_file(path: Path, seed: int, rate: float, n: int | None = None) -> dict[int, str]:
+    """The (first `n`) embedded records with `rate` of them mislabeled in place: each chosen record gets the answer
+    of a random record of another task family in the same language (nothing else changes). Returns {line: kind}."""
+    rng = random.Random(seed)
+    records = base_records(n)
+    chosen = sorted(rng.sample(range(len(records)), round(rate * len(records))))
+    for k in chosen:
+        a = records[k]
+        b = rng.choice([r for r in records if r.get("family") != a.get("family") and r.get("lang") == a.get("lang")])
+        records[k] = {**a, "output": b["output"]}
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return {k + 1: "mislabeled" for k in chosen}
+
+
+def run(
+    train_file: Path, out: Path, arm: str, seed: int, steps: int, base: Path | None = None, epochs: int = 0
+) -> dict:
+    """One recipe run (`steps` steps, or `epochs` whole epochs when given); returns its quarantine entries, eval
+    loss, train runtime and attributed bad steps."""
+    length = ["--training.num_train_epochs", str(epochs), "--training.max_steps", "-1"] if epochs else []
     args = [
         sys.executable,
         str(ROOT / "scripts" / "finetune.py"),
         "--data.train_file",
         str(train_file),
-        "--training.max_steps",
-        str(steps),
+        *(length or ["--training.max_steps", str(steps)]),
         "--training.seed",
         str(seed),
         "--training.output_dir",
@@ -153,6 +170,8 @@ def run(train_file: Path, out: Path, arm: str, seed: int, steps: int, base: Path
         "steps": summary.get("train_steps") or steps,
         "screen_s": float(logged.get("perf/forensics_screen_s", 0.0)),
         "bad_steps": sum(1 for e in events if e.get("kind") == "step_forensics"),
+        "epoch_steps": (summary.get("train_steps") or steps) / epochs if epochs else None,
+        "state": state.get("stateful_callbacks", {}).get("hf_stable", {}).get("SpikeForensics", {}),
         "forensics_s": float(logged.get("perf/forensics_s", 0.0)),
     }
 
