@@ -208,6 +208,41 @@ def score(entries: list[dict], injected: dict[int, str]) -> dict:
     }
 
 
+def by_epoch(entries: list[dict], injected: dict[int, str], epoch_steps: float, epochs: int) -> list[dict]:
+    """`score` of the entries named by the end of each epoch (step <= e x steps an epoch), with and without the
+    trajectory rule's."""
+    out = []
+    for e in range(1, epochs + 1):
+        upto = [x for x in entries if x["step"] <= round(e * epoch_steps)]
+        local = [x for x in upto if x["reason"] != "trajectory"]
+        out.append({"all": score(upto, injected), "step_local": score(local, injected)})
+    return out
+
+
+def mislabeled_grid(a, tmp: Path, clean: Path, base: Path | None) -> None:
+    """The mislabeled-pair poison at each rate, for each run length: the screened run (``auto``, screening and
+    trajectories) against the plain run of the clean file, scored at the end of every epoch."""
+    for rate in [float(x) for x in a.mislabeled.split(",")]:
+        train = tmp / f"train_mislabeled_{rate:g}.jsonl"
+        injected = mislabeled_file(train, a.seed, rate, a.records)
+        for epochs in [int(x) for x in a.epochs.split(",")]:
+            ref = run(clean, tmp / f"clean_plain_{epochs}", "plain", a.train_seed, 0, base, epochs=epochs)
+            r = run(train, tmp / f"mislabeled_{rate:g}_{epochs}", "screen", a.train_seed, 0, base, epochs=epochs)
+            overhead = r["runtime"] / (r["runtime"] - r["screen_s"])
+            for e, sc in enumerate(by_epoch(r["entries"], injected, r["epoch_steps"], epochs), start=1):
+                s, loc = sc["all"], sc["step_local"]
+                print(
+                    f"mislabeled {rate:.0%} ({len(injected)}), {epochs} epoch(s), end of epoch {e}: "
+                    f"precision {s['precision']:.3f} recall {s['recall']:.3f} (named {s['quarantined']}, "
+                    f"true {s['true']}); step-local only: precision {loc['precision']:.3f} recall {loc['recall']:.3f}"
+                )
+            print(
+                f"  eval loss {r['eval_loss']:.4f} vs clean {ref['eval_loss']:.4f} ({r['eval_loss'] / ref['eval_loss']:.3f}x);"
+                f" screening + trajectory work {r['screen_s']:.2f}s in {r['runtime']:.1f}s: overhead {overhead:.3f}x;"
+                f" false: {s['false'][:8]}"
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=130, help="optimizer steps per run (16 records each)")
@@ -220,6 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--base", type=Path, default=None, help="a warm base built earlier (skips the warm-up runs)")
     p.add_argument("--arms", default="screen,auto,report,plain")
+    p.add_argument(
+        "--mislabeled", default=None, help="rates of the mislabeled-pair poison, e.g. 0.01,0.05 (its own grid)"
+    )
+    p.add_argument("--epochs", default="1,2,3", help="--mislabeled: whole epochs per run")
+    p.add_argument("--train-seed", type=int, default=3, help="--mislabeled: training seed (the poison: --seed)")
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="hf_stable_forensics_"))
     train = tmp / "train_poisoned.jsonl"
@@ -230,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
         started = time.time()
         base = warm_base(tmp, clean, a.warm_steps)
         print(f"warm base: {a.warm_steps} LoRA steps on the clean file, merged ({time.time() - started:.0f}s)")
+    if a.mislabeled:
+        return mislabeled_grid(a, tmp, clean, base)
     print(f"{len(injected)} bad records injected into {train} ({a.steps} steps per run)")
     clean_ref = run(clean, tmp / "clean_plain", "plain", a.seed, a.steps, base)
     print(f"  clean: eval loss {clean_ref['eval_loss']:.4f} (plain, clean file: the reference)")

@@ -153,14 +153,14 @@ class SpikeForensics(EpochVerdicts, StepTapUser, StabilityCallback):
             if step % self.cfg.screen_every == 0 or control.should_save or control.should_training_stop:
                 started = time.perf_counter()
                 self._flush_screen(step)
-                if self.trajectory is not None:
-                    self.trajectory.flush(self._device())
+                self._flush_trajectory()
                 self.screen_seconds += time.perf_counter() - started
         if self.enabled and (self.screen_seconds or self.forensics_seconds):
             self.record(
                 {
                     "perf/forensics_screen_s": round(self.screen_seconds, 4),
                     "perf/forensics_s": round(self.forensics_seconds, 4),
+                    **({"perf/forensics_trajectory_s": round(self.trajectory_seconds, 4)} if self.trajectory else {}),
                 }
             )
         super().on_step_end(args, state, control, **kwargs)

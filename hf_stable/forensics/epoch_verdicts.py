@@ -18,6 +18,7 @@ class EpochVerdicts:
 
     trajectory = None
     _epochs_judged = 0  # epochs whose end the trajectory rule has judged
+    trajectory_seconds = 0.0  # the trajectory's own work (in perf/forensics_screen_s too), perf/forensics_trajectory_s
 
     def _init_trajectory(self, cfg, records) -> None:
         self.trajectory = None
@@ -37,8 +38,17 @@ class EpochVerdicts:
     def _observe_trajectory(self, kwargs, logits, record_ids, loss, count, peak) -> None:
         """One training forward's per-sample values into the table's buffer (on device, no sync)."""
         if self.trajectory is not None:
+            started = time.perf_counter()
             margin = per_sample_margin(logits, kwargs["labels"], kwargs.get("position_ids"), len(record_ids))
             self.trajectory.observe(self._step, record_ids, loss, count, margin, peak)
+            self.trajectory_seconds += time.perf_counter() - started
+
+    def _flush_trajectory(self) -> None:
+        """Gather the buffered rows into the table (every rank, at the screening's decision steps)."""
+        if self.trajectory is not None:
+            started = time.perf_counter()
+            self.trajectory.flush(self._device())
+            self.trajectory_seconds += time.perf_counter() - started
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         # a run resumed from a checkpoint written at an epoch's last step (saved before that epoch's end was
@@ -81,6 +91,7 @@ class EpochVerdicts:
         self._epochs_judged = epochs_done
         self._quarantine(step, culprits, math.nan, ["trajectory", f"epoch {epoch}"], at=(epoch, 2**31 - 1))
         self.screen_seconds += time.perf_counter() - started
+        self.trajectory_seconds += time.perf_counter() - started
 
     def _device(self):
         return next(self._model.parameters()).device if self._model is not None else torch.device("cpu")

@@ -160,19 +160,27 @@ class TrajectoryTable:
         rows = rows[torch.sort(rows[:, 0], stable=True).indices]
         self._grow(int(rows[:, 1].max()) + 1)
         steps = rows[:, 0]
+        medians = torch.zeros((rows.shape[0], 3), dtype=torch.float64)
         for s in torch.unique(steps).tolist():
-            at = rows[steps == s]
-            med_loss, med_margin, med_peak = _median(at[:, 2]), _median(at[:, 4]), _median(at[:, 5])
-            for _, rid, loss, tokens, margin, peak in at.tolist():
-                r = int(rid)
-                k = int(self.seen[r])
-                if k >= self.max_sightings:  # keep the latest sightings
+            at = steps == s
+            medians[at] = torch.tensor([_median(rows[at, c]) for c in (2, 4, 5)], dtype=torch.float64)
+        values = torch.stack(
+            [rows[:, 2], medians[:, 0], rows[:, 4], medians[:, 1], rows[:, 5], medians[:, 2], steps], dim=1
+        ).float()
+        rid = rows[:, 1].long()
+        if torch.unique(rid).numel() == rid.numel() and bool((self.seen[rid] < self.max_sightings).all()):
+            self.hist[rid, self.seen[rid].long()] = values  # the common case: each record once, room left
+            self.seen[rid] += 1
+            self.tokens[rid] = rows[:, 3].float()
+        else:
+            for k, r in enumerate(rid.tolist()):  # in step order: a record seen twice here, or a full history
+                j = int(self.seen[r])
+                if j >= self.max_sightings:  # keep the latest sightings
                     self.hist[r, :-1] = self.hist[r, 1:].clone()
-                    k = self.max_sightings - 1
-                values = [loss, med_loss, margin, med_margin, peak, med_peak, s]
-                self.hist[r, k] = torch.tensor(values, dtype=torch.float32)
+                    j = self.max_sightings - 1
+                self.hist[r, j] = values[k]
                 self.seen[r] += 1
-                self.tokens[r] = tokens
+                self.tokens[r] = float(rows[k, 3])
         self._state = None
 
     # --- the rule ------------------------------------------------------------------------------------------
