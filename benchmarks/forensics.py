@@ -170,7 +170,6 @@ def run(
         "steps": summary.get("train_steps") or steps,
         "screen_s": float(logged.get("perf/forensics_screen_s", 0.0)),
         "bad_steps": sum(1 for e in events if e.get("kind") == "step_forensics"),
-        "epoch_steps": (summary.get("train_steps") or steps) / epochs if epochs else None,
         "state": state.get("stateful_callbacks", {}).get("hf_stable", {}).get("SpikeForensics", {}),
         "forensics_s": float(logged.get("perf/forensics_s", 0.0)),
     }
@@ -208,12 +207,12 @@ def score(entries: list[dict], injected: dict[int, str]) -> dict:
     }
 
 
-def by_epoch(entries: list[dict], injected: dict[int, str], epoch_steps: float, epochs: int) -> list[dict]:
-    """`score` of the entries named by the end of each epoch (step <= e x steps an epoch), with and without the
-    trajectory rule's."""
+def by_epoch(entries: list[dict], injected: dict[int, str], epochs: int) -> list[dict]:
+    """`score` of the entries named by the end of each epoch (an entry's ``epoch``: the sampler's epoch when it was
+    named, or the epoch a trajectory verdict judged), with and without the trajectory rule's."""
     out = []
     for e in range(1, epochs + 1):
-        upto = [x for x in entries if x["step"] <= round(e * epoch_steps)]
+        upto = [x for x in entries if x["epoch"] < e]
         local = [x for x in upto if x["reason"] != "trajectory"]
         out.append({"all": score(upto, injected), "step_local": score(local, injected)})
     return out
@@ -229,7 +228,7 @@ def mislabeled_grid(a, tmp: Path, clean: Path, base: Path | None) -> None:
             ref = run(clean, tmp / f"clean_plain_{epochs}", "plain", a.train_seed, 0, base, epochs=epochs)
             r = run(train, tmp / f"mislabeled_{rate:g}_{epochs}", "screen", a.train_seed, 0, base, epochs=epochs)
             overhead = r["runtime"] / (r["runtime"] - r["screen_s"])
-            for e, sc in enumerate(by_epoch(r["entries"], injected, r["epoch_steps"], epochs), start=1):
+            for e, sc in enumerate(by_epoch(r["entries"], injected, epochs), start=1):
                 s, loc = sc["all"], sc["step_local"]
                 print(
                     f"mislabeled {rate:.0%} ({len(injected)}), {epochs} epoch(s), end of epoch {e}: "

@@ -116,6 +116,14 @@ def test_report_mode_names_it_but_keeps_training_on_it_and_a_clean_run_names_not
     _, forensics = _poisoned_run(tmp_path / "report", idx, mode="report")
     assert [e["reason"] for e in read_quarantine(tmp_path / "report")] == ["trajectory"]
     assert int(forensics.trajectory.seen[idx]) == 3
+    from hf_stable.reporting.report import write_report
+
+    row = next(
+        line
+        for line in write_report(tmp_path / "report").read_text().split("### Suspect data", 1)[1].splitlines()
+        if f"train.jsonl:{idx + 1}" in line
+    )
+    assert "trajectory" in row and "losses by sighting" in row and "score" in row
     _, clean = _poisoned_run(tmp_path / "clean", -1)
     assert read_quarantine(tmp_path / "clean") == [] and int(clean.trajectory.seen.sum()) == 96
 

@@ -1,34 +1,38 @@
 """Trajectory evidence: every record's loss across its sightings, kept for the run, judged at the end of each epoch.
 
 A step-local rule sees one loss per record and cannot tell a hard question from a wrong answer: both sit in the
-loss distribution's tail at the step they are seen. Over the run they part. A hard record is hard the way the
-records around it are (its task is hard: its loss falls as its task is learned); a record whose answer belongs to
-another question keeps a high loss *and* a confidently wrong prediction while everything around it is learned.
+loss distribution's tail at the step they are seen. Over the run they part a little: a wrong answer is confidently
+wrong (another token preferred by far, one token the model did not expect at all) and is learned only by being
+seen - its loss drops at its own sightings, as a memorised answer's does - where a hard record's task is simply
+not learned yet.
 
-The table (`TrajectoryTable`) keeps, for each record id and each of its last `max_sightings` sightings, the
-training forward's per-sample loss and per-sample margin (`sample_loss.per_sample_margin`), each next to the
-median over the samples of its optimizer step (all ranks' micro-batches): a scale that moves with training.
-Nothing is re-run: the numbers come from the logits the training forward produced (on device, no host sync); the
-rows are gathered over ranks with the screening's decisions (every `screen_every` steps and before a checkpoint),
-so the table is identical on every rank, and it is saved in the callback state (float32 bytes, base64): a resume
-continues it bit for bit.
+The table (`TrajectoryTable`) keeps, for each record id and each of its last `max_sightings` sightings, the training
+forward's per-sample loss, margin (`sample_loss.per_sample_margin`) and peak token NLL
+(`sample_loss.per_sample_nll_stats`), each next to the median over the samples of its optimizer step (all ranks'
+micro-batches: a scale that moves with training), and the largest prompt gain screening measured for the record
+when it was a suspect (`screening`). Nothing is re-run: the numbers come from the logits the training forward
+produced (on device, no host sync); the rows are gathered over ranks with the screening's decisions (every
+`screen_every` steps and before a checkpoint), so the table is identical on every rank, and it is saved in the
+callback state (float32 bytes, base64): a resume continues it bit for bit. Memory: 128 bytes a record on the host.
 
-The rule (`judge`), applied at the end of each epoch to every record seen in at least `min_sightings` epochs:
+The rule (`judge`), at the end of each epoch, for every record seen at least `min_sightings` times, four features
+as robust z-scores over the records judged (median, 1.4826 MAD), averaged:
 
-* the record's **relative loss** per sighting, ``log(loss / step median)``, averaged over its sightings: the
-  *confidence* axis of training-dynamics data maps (Swayamdipta et al. 2020, arXiv 2009.10795: records the model
-  is persistently unsure of, with little variability across epochs, are the mislabeled ones) in log space;
-* its **relative margin** per sighting, ``step median margin - margin`` (in logits), averaged: the area under the
-  margin (Pleiss et al. 2020, arXiv 2001.10528), which separates a confidently wrong answer (another token
-  preferred by far) from an uncertain hard one (loss high, margin near zero);
-* both as robust z-scores over the population of records judged (median, 1.4826 MAD), and the record's score is
-  the smaller of the two: it must stand out on both axes. Records above `zscore` are named. This is the
-  small-loss criterion of co-teaching (Han et al. 2018, arXiv 1804.06872) made per record over epochs: the
-  large-loss tail that stays large while the population's loss falls.
+* **relative loss**, ``log(loss / step median)`` averaged over the sightings: the *confidence* axis of
+  training-dynamics data maps (Swayamdipta et al. 2020, arXiv 2009.10795: records the model stays unsure of across
+  epochs are the mislabeled ones), in log space;
+* **relative margin**, ``step median margin - margin``, averaged: the area under the margin (Pleiss et al. 2020,
+  arXiv 2001.10528), which tells a confidently wrong answer from an uncertain one of the same loss;
+* **relative peak**, ``peak token NLL - its step median``, averaged: the one token nobody predicted (the first token
+  of another question's answer), where a hard answer of the right kind spreads its loss over its tokens;
+* **drop**: the record's excess loss over its step's median, summed over its tokens, at its first kept sighting
+  minus at its latest - learned by its own sightings. The co-teaching view (Han et al. 2018, arXiv 1804.06872:
+  noisy labels are the large-loss samples, which networks fit late, by memorising them) made per record.
 
-`zscore` is calibrated on clean runs only (above every clean record's score; see benchmarks/README.md,
-"forensics"). A base that cannot do a task cannot tell a wrong answer of it from a right one: its clean records
-of that task fill the tail too, and the rule names nothing there (it does not guess).
+plus ``gain_weight x ln(prompt gain)`` when screening measured a gain above 1. A score above `zscore` names the
+record. `zscore` is calibrated on clean runs only (above every clean record's score; see benchmarks/README.md,
+"forensics"). A base that cannot do a task cannot tell a wrong answer of it from a right one: its clean records of
+that task fill the tail, and the bar above them leaves the mislabeled records that look no worse unnamed.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def _median(x: torch.Tensor) -> float:
 
 
 class TrajectoryTable:
-    """Per-record history of per-sample loss and margin by sighting, bounded: ``records x max_sightings``.
+    """Per-record history of per-sample loss, margin and peak token NLL by sighting, bounded: ``records x max_sightings``.
 
     Args:
         n_records: records of the run (record ids ``0..n-1``); grows up to `max_records` if a larger id is seen.
@@ -82,9 +86,9 @@ class TrajectoryTable:
 
     Example:
         >>> table = TrajectoryTable(2000)
-        >>> table.observe(step, record_ids, loss, tokens, margin)    # every training forward, on device
-        >>> table.flush()                                           # every rank, at the same steps
-        >>> named = table.judge(min_sightings=2, zscore=4.0)
+        >>> table.observe(step, record_ids, loss, tokens, margin, peak)   # every training forward, on device
+        >>> table.flush()                                                 # every rank, at the same steps
+        >>> named = table.judge(min_sightings=2, zscore=4.25, gain_weight=8.0)
     """
 
     def __init__(self, n_records: int = 0, max_sightings: int = 4, max_records: int = 1_000_000):
