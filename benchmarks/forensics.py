@@ -172,6 +172,7 @@ def run(
         "bad_steps": sum(1 for e in events if e.get("kind") == "step_forensics"),
         "state": state.get("stateful_callbacks", {}).get("hf_stable", {}).get("SpikeForensics", {}),
         "forensics_s": float(logged.get("perf/forensics_s", 0.0)),
+        "trajectory_s": float(logged.get("perf/forensics_trajectory_s", 0.0)),
     }
 
 
@@ -237,7 +238,8 @@ def mislabeled_grid(a, tmp: Path, clean: Path, base: Path | None) -> None:
                 )
             print(
                 f"  eval loss {r['eval_loss']:.4f} vs clean {ref['eval_loss']:.4f} ({r['eval_loss'] / ref['eval_loss']:.3f}x);"
-                f" screening + trajectory work {r['screen_s']:.2f}s in {r['runtime']:.1f}s: overhead {overhead:.3f}x;"
+                f" screening + trajectory work {r['screen_s']:.2f}s (trajectory {r['trajectory_s']:.2f}s) in"
+                f" {r['runtime']:.1f}s: overhead {overhead:.3f}x;"
                 f" false: {s['false'][:8]}"
             )
 
