@@ -45,6 +45,12 @@ SCREEN_ALL = {
     "prompt_gain_min": 0.0,
 }
 
+# the trajectory rule on this 32-record set (population floor lowered to it); with MILD the poisoned record's loss is
+# only mildly raised (logits x3 for the loss, not for the gradient): never a culprit of its step, named by its
+# trajectory at the end of epoch 2 (issue 25)
+TRAJECTORY = {"screen": True, "screen_every": 4, "trajectory_min_population": 16}
+MILD = {"factor": 3.0, "grad_free": True}
+
 
 def rows(poison_index: int) -> list[dict]:
     g = torch.Generator().manual_seed(5)
@@ -154,6 +160,7 @@ def main() -> None:
     p.add_argument("--packing", action="store_true")
     p.add_argument("--screen", action="store_true", help="screening: every sample a suspect (SCREEN_ALL)")
     p.add_argument("--engine", default="ddp", help="ddp, zero1/2/3 or fsdp2 (tests/dist_scripts/engines.py)")
+    p.add_argument("--trajectory", action="store_true", help="the mild poison, screening + trajectories")
     a = p.parse_args()
     engine_kw = {}
     if a.engine != "ddp":
@@ -170,7 +177,8 @@ def main() -> None:
         steps=a.steps,
         poison_index=a.poison_index,
         callbacks=callbacks,
-        forensics_kw=SCREEN_ALL if a.screen else None,
+        forensics_kw=TRAJECTORY if a.trajectory else SCREEN_ALL if a.screen else None,
+        **(MILD if a.trajectory else {}),
         save_strategy="steps" if a.save_steps else "no",
         save_steps=a.save_steps or 500,
         **engine_kw,
@@ -197,6 +205,7 @@ def main() -> None:
                 "skipped": skip.skipped_steps,
                 "resumed_from": resume,
                 "global_step": trainer.state.global_step,
+                "trajectory": forensics.trajectory.state_dict() if forensics.trajectory is not None else None,
             }
         )
     )
