@@ -1,10 +1,11 @@
 """Overhead of hf_stable's monitors + guards under each engine, and the collectives they add per step.
 
     OMP_NUM_THREADS=1 python benchmarks/engine_overhead.py [--engines ddp zero2 fsdp2] [--rounds 4] [--steps 40]
+                                                       [--hidden 256] [--layers 4]
 
 Starts itself on 2 gloo ranks (torchrun). Per engine, arms alternate inside the one run: `off` (StableTrainer, no
-callbacks) and `on` (StableTrainer + the recipe's default monitors and guards), `--rounds` times each, on a tiny
-LoRA Llama (hidden 64, 2 layers). Time: the train loop after 5 warm-up steps (rank 0's wall clock; both ranks
+callbacks) and `on` (StableTrainer + the recipe's default monitors and guards), `--rounds` times each, on a small
+LoRA Llama (`--hidden`, `--layers`; batch 4 x 64 tokens per rank). Time: the train loop after 5 warm-up steps (rank 0's wall clock; both ranks
 share the 2 cores). Collectives: every `torch.distributed` collective entered, counted on rank 0 over the timed
 steps; the per-step difference between the arms is what hf_stable adds (the engine's own are in both arms).
 
@@ -55,7 +56,7 @@ def _count_collectives() -> dict:
     return counter
 
 
-def _worker(engines: list[str], rounds: int, steps: int) -> None:
+def _worker(engines: list[str], rounds: int, steps: int, hidden: int, layers: int) -> None:
     sys.path[:0] = [str(ROOT / "tests" / "dist_scripts"), str(ROOT)]
     import fsdp_cpu
     import torch
@@ -97,9 +98,9 @@ def _worker(engines: list[str], rounds: int, steps: int) -> None:
                     out, max_steps=steps, per_device_train_batch_size=4, logging_steps=10, **engine_args(engine)
                 )
                 trainer = StableTrainer(
-                    model=tiny_lora_llama(hidden=64),
+                    model=tiny_lora_llama(hidden=hidden, layers=layers),
                     args=args,
-                    train_dataset=token_data(steps * 8, length=32),
+                    train_dataset=token_data(steps * 8, length=64),
                     callbacks=[*(callbacks if arm == "on" else []), clock],
                 )
                 trainer.train()
@@ -128,9 +129,11 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["ddp", "zero2", "fsdp2"])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
     opts = parser.parse_args()
     if "RANK" in os.environ:
-        _worker(opts.engines, opts.rounds, opts.steps)
+        _worker(opts.engines, opts.rounds, opts.steps, opts.hidden, opts.layers)
         return
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_STABLE_LOG_LEVEL": "CRITICAL", "TOKENIZERS_PARALLELISM": "false"}

@@ -1,7 +1,8 @@
 """One 2-rank run (gloo, CPU) of `StableTrainer` with hf_stable's default monitors and guards under one engine:
 DDP, DeepSpeed ZeRO-1/2/3 or FSDP2, on the same data and the same initial weights.
 
-Launched by tests/test_engines.py as `torchrun --nproc_per_node 2 engines_run.py ENGINE OUT`. Each rank writes
+Launched by tests/test_engines.py as `torchrun --nproc_per_node 2 engines_run.py ENGINE OUT [stock]` (`stock`: the
+stock `transformers.Trainer` with the same callbacks instead of `StableTrainer`). Each rank writes
 OUT/rank<i>.json (per-step global and per-group gradient norms, skipped steps, events, whether this rank's weights
 and optimizer state were unchanged over each skipped step, whether the rollback restored the snapshot bitwise) and
 OUT/rank<i>.pt (this rank's part of the final trainable weights).
@@ -26,7 +27,7 @@ import fsdp_cpu
 import torch
 from engines import engine_args, full_weights
 from guards_common import LossFault, tiny_lora_llama, token_data, training_args
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from hf_stable.callbacks import GradientMonitor
 from hf_stable.callbacks.guards import RollbackGuard, SkipGuard, build_guards
@@ -109,7 +110,7 @@ class Probe(TrainerCallback):
         self.after[step] = local_state(self.model, optimizer)
 
 
-def main(engine: str, out: str) -> None:
+def main(engine: str, out: str, trainer_cls=StableTrainer) -> None:
     faulthandler.dump_traceback_later(int(os.environ.get("ENGINES_TIMEOUT", "200")), exit=True)
     if engine == "fsdp2":
         fsdp_cpu.enable()
@@ -152,4 +153,4 @@ def main(engine: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], Trainer if sys.argv[3:] == ["stock"] else StableTrainer)
