@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from hf_stable.forensics.quarantine import read_quarantine
 from hf_stable.forensics.trajectory import LOSS, TrajectoryTable
-from tests.dist_scripts.forensics_run import MILD, TRAJECTORY, build, position_of
+from tests.dist_scripts.forensics_run import MILD, TRAJECTORY, build, position_of, read_result, run_script
 
 N_RECORDS, PER_STEP = 256, 16
 WRONG, HARD = 7, 11  # record ids of the synthetic table
@@ -131,26 +130,7 @@ def test_report_mode_names_it_but_keeps_training_on_it_and_a_clean_run_names_not
 SCRIPT = Path(__file__).parent / "dist_scripts" / "forensics_run.py"
 
 
-def _script(out, *args, check=True):
-    import os
-    import subprocess
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def _result(out, r=0):
-    return json.loads((Path(out) / f"result_rank{r}.json").read_text()), torch.load(Path(out) / f"lora_rank{r}.pt")
+_script, _result = run_script, read_result
 
 
 @pytest.mark.slow

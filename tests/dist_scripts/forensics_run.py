@@ -149,6 +149,30 @@ def build(
     return trainer, skip, forensics
 
 
+def run_script(out, *args, check=True):
+    """This script in a subprocess (one process), as the tests launch it; fails on a non-zero exit with `check`."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__)), str(out), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def read_result(out, r=0):
+    """(result_rank<r>.json, lora_rank<r>.pt) of a run of this script."""
+    return json.loads((Path(out) / f"result_rank{r}.json").read_text()), torch.load(Path(out) / f"lora_rank{r}.pt")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
