@@ -123,7 +123,7 @@ def main(engine: str, out: str, trainer_cls=StableTrainer) -> None:
     guards = build_guards(GuardsConfig())
     monitor = GradientMonitor(every_n_steps=1)
     probe = Probe(model, monitor)
-    trainer = StableTrainer(model=model, args=args, train_dataset=token_data(64), callbacks=[monitor, *guards, probe])
+    trainer = trainer_cls(model=model, args=args, train_dataset=token_data(64), callbacks=[monitor, *guards, probe])
     trainer.train()
     skip = next(g for g in guards if isinstance(g, SkipGuard))
     rollback = next(g for g in guards if isinstance(g, RollbackGuard))
