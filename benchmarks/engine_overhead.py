@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/engine_overhead.py [--engines ddp zero2 fsdp2] [--rounds 4] [--steps 40]
                                                        [--hidden 256] [--layers 4]
 
-Starts itself on 2 gloo ranks (torchrun). Per engine, arms alternate inside the one run: `off` (StableTrainer, no
+Starts itself on 2 gloo ranks (one torchrun per engine). Per engine, arms alternate inside the one run: `off` (StableTrainer, no
 callbacks) and `on` (StableTrainer + the recipe's default monitors and guards), `--rounds` times each, on a small
 LoRA Llama (`--hidden`, `--layers`; batch 4 x 64 tokens per rank). Time: the train loop after 5 warm-up steps (rank 0's wall clock; both ranks
 share the 2 cores). Collectives: every `torch.distributed` collective entered, counted on rank 0 over the timed
@@ -137,8 +137,18 @@ def main() -> None:
         return
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_STABLE_LOG_LEVEL": "CRITICAL", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", __file__, *sys.argv[1:]]
-    sys.exit(subprocess.run(cmd, env=env, check=False).returncode)
+    rest = ["--rounds", str(opts.rounds), "--steps", str(opts.steps), "--hidden", str(opts.hidden)]
+    rest += ["--layers", str(opts.layers)]
+    lines, status = [], 0
+    for engine in opts.engines:  # one torchrun per engine: accelerate's state is per process
+        cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", __file__, "--engines", engine, *rest]
+        proc = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True)
+        out = [line for line in proc.stdout.splitlines() if line.startswith((f"{engine}:", "engine="))]
+        print("\n".join(line for line in out if not line.startswith("engine=")) or proc.stderr[-2000:], flush=True)
+        lines += [line for line in out if line.startswith("engine=")]
+        status = status or proc.returncode
+    print("\n".join(lines))
+    sys.exit(status)
 
 
 if __name__ == "__main__":
