@@ -70,11 +70,10 @@ def rank() -> int:
 
 
 def sharded_training(args) -> str | None:
-    """Why gradients/parameters are sharded across ranks here (DeepSpeed ZeRO or FSDP), or None.
-
-    Then `p.grad` is None (ZeRO keeps gradients in its own buffers) or a per-rank shard (FSDP), and per-tensor
-    statistics or skip decisions read from it would be wrong or differ per rank: monitors and guards say they are off.
-    Set by TrainingArguments (`deepspeed=`, `fsdp=`) or by `accelerate launch` (environment).
+    """Why gradients/parameters are sharded across ranks here (DeepSpeed ZeRO or FSDP), or None, from the arguments
+    alone (before any engine exists; set by TrainingArguments `deepspeed=` / `fsdp=` or by `accelerate launch`'s
+    environment). Where the gradients of a step live once training runs is `core.engine.StepEngine`'s answer; this is
+    for decisions taken before (DeepSpeed owns the gradient accumulation, so batch warmup cannot change it).
     """
     env = os.environ
     if getattr(args, "deepspeed", None) or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_stable.distributed import all_reduce_tensor, sharded_training, world_size  # noqa: F401 - re-exported
+from hf_stable.distributed import all_reduce_tensor, world_size
 
 
 class AlertGate:
