@@ -104,6 +104,32 @@ def test_preemption_callback_restores_handlers_and_state():
     assert fresh.state_dict() == {"preemptions": 2}
 
 
+def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, capsys):
+    from hf_stable.callbacks.preemption_callback import PreemptionCallback, stop_on_signals
+    from hf_stable.config.runtime import PreemptionConfig
+    from hf_stable.outputs import INCOMPLETE_FILE, OutputDir, error_boundary
+
+    assert stop_on_signals(PreemptionConfig(enabled=False)) == []
+    out = OutputDir(tmp_path / "run").start({})
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        assert stop_on_signals(PreemptionConfig(signals=["SIGUSR1"], exit_code=140)) == ["SIGUSR1"]
+        during = PreemptionCallback(signals=["SIGUSR1"])  # training: the callback takes the signal over ...
+        during._install()
+        signal.raise_signal(signal.SIGUSR1)
+        assert during.pending
+        during._restore()  # ... and gives it back when training ends
+        with pytest.raises(SystemExit) as stop, error_boundary(out):
+            signal.raise_signal(signal.SIGUSR1)
+            pytest.fail("the signal did not stop the run")
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert stop.value.code == 140
+    status = json.loads((out.path / INCOMPLETE_FILE).read_text())
+    assert status["status"] == "preempted" and status["signal"] == "SIGUSR1" and status["checkpoint"] is None
+    assert "preempted: SIGUSR1 received outside a training step, nothing to save" in capsys.readouterr().out
+
+
 # ---- end to end: scripts/finetune.py killed and resumed -------------------------------------------------
 
 
@@ -171,6 +197,20 @@ def test_sigterm_saves_a_checkpoint_stops_and_resumes_to_the_same_adapter(tmp_pa
     saved = _state(out)["stateful_callbacks"]["hf_stable"]
     assert saved["PreemptionCallback"] == {"preemptions": 1}  # restored from checkpoint-5, not reset
     assert (out / "run_summary.json").is_file() and not (out / "RUN_INCOMPLETE.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_before_training_starts_marks_the_run_preempted(tmp_path):
+    out = tmp_path / "out"
+    stopped = launch(recipe_args(out, save_steps=2), out, fault="sigterm_at_init")  # as the Trainer is built
+    assert stopped.returncode == 143, stopped.tail()
+    assert "Traceback" not in stopped.stderr and "error:" not in stopped.stderr, stopped.tail()
+    assert "preempted: SIGTERM received outside a training step, nothing to save" in stopped.output
+    assert "it starts from the beginning" in stopped.output
+    status = json.loads((out / "RUN_INCOMPLETE.json").read_text())
+    assert status["status"] == "preempted" and status["signal"] == "SIGTERM" and status["checkpoint"] is None
+    assert not (out / "run_summary.json").exists() and not list(out.glob("checkpoint-*"))
 
 
 def test_a_fresh_run_sets_an_earlier_runs_events_aside_and_a_resume_keeps_them(tmp_path):

@@ -10,6 +10,12 @@ After `trainer.train()` returns, `exit_if_preempted` marks the output dir as pre
 exits with `exit_code` (default 143 = 128 + SIGTERM), so the recipe does not evaluate or write a model card
 for a half-trained model and the scheduler / torchrun restarts the job, which resumes (`runtime.resume: auto`).
 
+Outside the training loop (loading the model and data, evaluating, writing the outputs) there is no step to
+finish and nothing to save: `stop_on_signals`, installed by the recipe right after the output dir exists, turns
+the signal into `hf_stable.errors.Preempted`, which the recipe's error boundary records as "preempted" in
+RUN_INCOMPLETE.json before it exits with `exit_code` (without it the default action would kill the process and
+leave the run marked "running").
+
 The grace period must cover the rest of one optimizer step plus one checkpoint save. A second copy of the
 same signal within `DUPLICATE_SECONDS` is the same request arriving twice (a process-group kill plus the
 launcher forwarding it, see `hf_stable.launcher`) and is ignored; a later one gives up and lets the previous
@@ -26,6 +32,7 @@ import time
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.config.runtime import PreemptionConfig
 from hf_stable.distributed import all_reduce_flag, shutdown
+from hf_stable.errors import Preempted
 from hf_stable.logging import get_logger, print_main
 from hf_stable.outputs import INCOMPLETE_FILE
 
@@ -146,6 +153,29 @@ class PreemptionCallback(StabilityCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self._restore()
         super().on_train_end(args, state, control, **kwargs)
+
+
+def stop_on_signals(config: PreemptionConfig | None = None) -> list[str]:
+    """Until a `PreemptionCallback` takes over (and again after training), make `config.signals` raise
+    `Preempted`, which `hf_stable.outputs.error_boundary` records as "preempted". Returns the signals handled
+    (none when `config.enabled` is False or outside the main thread, where signals cannot be handled).
+
+    Example:
+        >>> with error_boundary(output):
+        ...     output.start(cfg.to_dict())
+        ...     stop_on_signals(cfg.runtime.preemption)   # a SIGTERM while loading data: "preempted", exit 143
+    """
+    cfg = config or PreemptionConfig()
+    if not cfg.enabled or threading.current_thread() is not threading.main_thread():
+        return []
+    exit_code = int(cfg.exit_code)
+
+    def stop(signum, frame):
+        raise Preempted(signal.Signals(signum).name, exit_code)
+
+    for name in cfg.signals:
+        signal.signal(PreemptionCallback._signum(name), stop)
+    return list(cfg.signals)
 
 
 def find_preemption(trainer) -> PreemptionCallback | None:

@@ -11,6 +11,8 @@ Environment:
                                                adapter, before optimizer / RNG / trainer_state / marker;
                           "sigterm:N"          the process sends itself SIGTERM at the end of step N;
                           "sigterm:N:R"        only rank R does (the other ranks must follow via the all-reduce);
+                          "sigterm_at_init"    the process sends itself SIGTERM as the Trainer is built (before
+                                               training starts);
                           "pause:N"            at the end of step N every rank writes paused_rank<r> into the
                                                probe dir and waits (up to 120 s) until a signal reached its
                                                PreemptionCallback: the test signals the launcher meanwhile, so
@@ -168,6 +170,8 @@ _original_init = transformers.Trainer.__init__
 
 
 def _probed_init(self, *args, **kwargs):
+    if FAULT == "sigterm_at_init":
+        os.kill(os.getpid(), signal.SIGTERM)
     _original_init(self, *args, **kwargs)
     probe = Probe(self)
     if self.train_dataset is not None:
