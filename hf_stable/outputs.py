@@ -226,7 +226,10 @@ def _wait_for_launcher(code: int) -> None:
 def report(text: str, *, rank_local: bool, code: int) -> None:
     """Print `text` on stderr once per job: with several ranks, rank 0 prints what every rank has (`rank_local`
     False) and each rank prints its own failure, naming its rank (`error: rank 1: ...`)."""
-    rank, world = process_rank(), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    try:
+        rank, world = process_rank(), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:  # a launcher's odd environment must not hide the message
+        rank, world = 0, 1
     if world > 1 and (rank_local or rank != 0):
         if not rank_local:
             _wait_for_launcher(code)

@@ -46,9 +46,9 @@ def main(argv: list[str]) -> None:
         )
         prepare_launch(args)  # e.g. refuses N processes that would each train alone on CPU
     output = OutputDir(args.output_dir)
-    with error_boundary(output):
+    # a SIGTERM outside a training step (nothing to save) marks the run "preempted" and exits 143
+    with error_boundary(output), stop_on_signals(cfg.runtime.preemption):
         output.start(cfg.to_dict())
-        stop_on_signals(cfg.runtime.preemption)  # SIGTERM outside a training step: marked "preempted", exit 143
         logger.info("config %s -> output dir %s", cfg.source, args.output_dir)
 
         resume = resolve_resume(cfg.runtime.resume, args)  # newest *complete* checkpoint, same on every rank

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from hf_stable.checkpoints import checkpoint_problems, latest_complete_checkpoint
-from hf_stable.full_disk import disk_full, nearly_full, raised_while_saving
 from tests.dist_scripts.harness import PROBE, ROOT, baseline_run, load_adapter, recipe_args, recipe_env
 
 DRIVER = Path(__file__).resolve().parent / "dist_scripts" / "small_disk.py"
@@ -70,6 +69,8 @@ def in_small_disk(disk: Path, size: str, script: str, *, env: dict | None = None
 
 
 def test_a_failed_save_is_a_full_disk_only_when_the_disk_is_nearly_full(tmp_path):
+    from hf_stable.full_disk import disk_full, nearly_full, raised_while_saving
+
     try:
         torch.save(torch.zeros(4), tmp_path / "no such folder" / "x.pt")  # a real save failure on a roomy disk
     except RuntimeError as e:

@@ -109,21 +109,21 @@ def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, caps
     from hf_stable.config.runtime import PreemptionConfig
     from hf_stable.outputs import INCOMPLETE_FILE, OutputDir, error_boundary
 
-    assert stop_on_signals(PreemptionConfig(enabled=False)) == []
+    with stop_on_signals(PreemptionConfig(enabled=False)) as handled:
+        assert handled == []
     out = OutputDir(tmp_path / "run").start({})
     before = signal.getsignal(signal.SIGUSR1)
-    try:
-        assert stop_on_signals(PreemptionConfig(signals=["SIGUSR1"], exit_code=140)) == ["SIGUSR1"]
+    signals = PreemptionConfig(signals=["SIGUSR1"], exit_code=140)
+    with pytest.raises(SystemExit) as stop, error_boundary(out), stop_on_signals(signals) as handled:
+        assert handled == ["SIGUSR1"]
         during = PreemptionCallback(signals=["SIGUSR1"])  # training: the callback takes the signal over ...
         during._install()
         signal.raise_signal(signal.SIGUSR1)
         assert during.pending
         during._restore()  # ... and gives it back when training ends
-        with pytest.raises(SystemExit) as stop, error_boundary(out):
-            signal.raise_signal(signal.SIGUSR1)
-            pytest.fail("the signal did not stop the run")
-    finally:
-        signal.signal(signal.SIGUSR1, before)
+        signal.raise_signal(signal.SIGUSR1)
+        pytest.fail("the signal did not stop the run")
+    assert signal.getsignal(signal.SIGUSR1) == before  # the block's end put the previous handler back
     assert stop.value.code == 140
     status = json.loads((out.path / INCOMPLETE_FILE).read_text())
     assert status["status"] == "preempted" and status["signal"] == "SIGUSR1" and status["checkpoint"] is None
@@ -164,6 +164,10 @@ def test_kill9_while_saving_then_resume_equals_uninterrupted_run(tmp_path):
     resumed = launch(args, out, tag="resume")  # the same command again: runtime.resume defaults to auto
     assert resumed.returncode == 0, resumed.tail()
     assert "resuming from" in resumed.output and "checkpoint-4" in resumed.output
+    # evaluation.exact_match_samples 0 and no evaluation before training (recipe_args): said so, not "None"
+    assert "after: eval loss " in resumed.output and ", exact match: off" in resumed.output
+    assert "(not measured before), exact match: off" in resumed.output
+    assert "exact match None" not in resumed.output and "eval loss None" not in resumed.output
     _assert_same_adapter(load_adapter(out), load_adapter(base.out))
     a, b = _state(out), _state(base.out)
     assert [h.get("loss") for h in a["log_history"]] == [h.get("loss") for h in b["log_history"]]

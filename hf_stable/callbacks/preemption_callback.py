@@ -11,7 +11,7 @@ exits with `exit_code` (default 143 = 128 + SIGTERM), so the recipe does not eva
 for a half-trained model and the scheduler / torchrun restarts the job, which resumes (`runtime.resume: auto`).
 
 Outside the training loop (loading the model and data, evaluating, writing the outputs) there is no step to
-finish and nothing to save: `stop_on_signals`, installed by the recipe right after the output dir exists, turns
+finish and nothing to save: `stop_on_signals`, around the recipe's work from the start of the output dir, turns
 the signal into `hf_stable.errors.Preempted`, which the recipe's error boundary records as "preempted" in
 RUN_INCOMPLETE.json before it exits with `exit_code` (without it the default action would kill the process and
 leave the run marked "running").
@@ -24,6 +24,7 @@ handler (normally: die) run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -155,27 +156,33 @@ class PreemptionCallback(StabilityCallback):
         super().on_train_end(args, state, control, **kwargs)
 
 
-def stop_on_signals(config: PreemptionConfig | None = None) -> list[str]:
-    """Until a `PreemptionCallback` takes over (and again after training), make `config.signals` raise
-    `Preempted`, which `hf_stable.outputs.error_boundary` records as "preempted". Returns the signals handled
-    (none when `config.enabled` is False or outside the main thread, where signals cannot be handled).
+@contextlib.contextmanager
+def stop_on_signals(config: PreemptionConfig | None = None):
+    """While the block runs, make `config.signals` raise `Preempted` (which `hf_stable.outputs.error_boundary`
+    records as "preempted"), except during training, where a `PreemptionCallback` takes them over. Yields the
+    signals handled (none when `config.enabled` is False, or outside the main thread, where signals cannot be
+    handled); the previous handlers come back when the block ends.
 
     Example:
-        >>> with error_boundary(output):
-        ...     output.start(cfg.to_dict())
-        ...     stop_on_signals(cfg.runtime.preemption)   # a SIGTERM while loading data: "preempted", exit 143
+        >>> with error_boundary(output), stop_on_signals(cfg.runtime.preemption):
+        ...     output.start(cfg.to_dict())   # a SIGTERM from here on while loading data: "preempted", exit 143
     """
     cfg = config or PreemptionConfig()
-    if not cfg.enabled or threading.current_thread() is not threading.main_thread():
-        return []
+    handled = list(cfg.signals) if cfg.enabled and threading.current_thread() is threading.main_thread() else []
     exit_code = int(cfg.exit_code)
 
     def stop(signum, frame):
         raise Preempted(signal.Signals(signum).name, exit_code)
 
-    for name in cfg.signals:
-        signal.signal(PreemptionCallback._signum(name), stop)
-    return list(cfg.signals)
+    previous = {}
+    try:
+        for name in handled:
+            signum = PreemptionCallback._signum(name)
+            previous[signum] = signal.signal(signum, stop)
+        yield handled
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def find_preemption(trainer) -> PreemptionCallback | None:
