@@ -7,9 +7,12 @@ summary on success and records the error on failure, so a crashed run never look
 The directory itself is user input: a path that cannot be created or written (a read-only parent, a file in
 the way) is one `OutputDirError` naming the path and the OS error, decided on the main process and shared
 with every rank. A full disk is an environment failure, not a bug: the error boundary reports it first, in
-one line, with the checkpoint a rerun resumes from, and no traceback. Writes go through a temporary file
-that is removed when the write fails, and recording a failure never raises (on a full disk it overwrites
-`RUN_INCOMPLETE.json` in place, which needs no new space).
+one line, with the checkpoint a rerun resumes from, and no traceback (`hf_stable.full_disk` decides what a full
+disk is). Writes go through a temporary file that is removed when the write fails, and recording a failure never
+raises (on a full disk it overwrites `RUN_INCOMPLETE.json` in place, which needs no new space).
+
+A termination signal outside a training step (`hf_stable.errors.Preempted`) is recorded as "preempted". With
+several ranks a message is printed once per job: rank 0 prints an error every rank has, each rank its own.
 """
 
 from __future__ import annotations

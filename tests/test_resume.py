@@ -104,7 +104,8 @@ def test_preemption_callback_restores_handlers_and_state():
     assert fresh.state_dict() == {"preemptions": 2}
 
 
-def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, capsys):
+def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, capsys, monkeypatch):
+    from hf_stable.callbacks import preemption_callback
     from hf_stable.callbacks.preemption_callback import PreemptionCallback, stop_on_signals
     from hf_stable.config.runtime import PreemptionConfig
     from hf_stable.outputs import INCOMPLETE_FILE, OutputDir, error_boundary
@@ -128,6 +129,17 @@ def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, caps
     status = json.loads((out.path / INCOMPLETE_FILE).read_text())
     assert status["status"] == "preempted" and status["signal"] == "SIGUSR1" and status["checkpoint"] is None
     assert "preempted: SIGUSR1 received outside a training step, nothing to save" in capsys.readouterr().out
+
+    # in training, a second signal later than DUPLICATE_SECONDS: the callback gives up, the run stops at once
+    monkeypatch.setattr(preemption_callback, "DUPLICATE_SECONDS", 0.0)
+    with pytest.raises(SystemExit) as stop, error_boundary(out), stop_on_signals(signals):
+        during = PreemptionCallback(signals=["SIGUSR1"])
+        during._install()
+        signal.raise_signal(signal.SIGUSR1)
+        signal.raise_signal(signal.SIGUSR1)
+        pytest.fail("the second signal did not stop the run")
+    assert stop.value.code == 140 and json.loads((out.path / INCOMPLETE_FILE).read_text())["status"] == "preempted"
+    assert signal.getsignal(signal.SIGUSR1) == before
 
 
 # ---- end to end: scripts/finetune.py killed and resumed -------------------------------------------------
