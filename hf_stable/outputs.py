@@ -45,8 +45,6 @@ FINISH_MARKERS = (SUMMARY_FILE, "README.md")
 # error every rank has (torch elastic stops the other ranks within a second of the first exit)
 FOLLOWER_WAIT_SECONDS = 10.0
 
-__all__ = ["INCOMPLETE_FILE", "OutputDir", "OutputDirError", "disk_full", "error_boundary"]
-
 
 class OutputDirError(HfStableError):
     """The output directory cannot be created or written (the message names the path and the OS error)."""
