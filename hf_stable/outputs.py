@@ -224,7 +224,7 @@ def _wait_for_launcher(code: int) -> None:
             signal.signal(s, handler)
 
 
-def report(text: str, *, rank_local: bool, code: int) -> None:
+def print_once_per_job(text: str, *, rank_local: bool, code: int) -> None:
     """Print `text` on stderr once per job: with several ranks, rank 0 prints what every rank has (`rank_local`
     False) and each rank prints its own failure, naming its rank (`error: rank 1: ...`)."""
     try:
@@ -247,14 +247,14 @@ def error_boundary(output: OutputDir | None = None):
     free space and the checkpoint a rerun resumes from, with exit code 1 and no traceback. A termination signal
     outside a training step (`Preempted`, see `stop_on_signals`) marks the run "preempted" and exits with its code.
     Any other exception is a bug: it is recorded in the output dir and re-raised with its traceback. With several
-    ranks a message is printed once (see `report`).
+    ranks a message is printed once (see `print_once_per_job`).
     """
     try:
         yield
     except HfStableError as e:
         # an output dir that cannot be written cannot record its own failure either: the message says so already
         note = output.fail(e) if output is not None and not isinstance(e, OutputDirError) else None
-        report(f"error: {e}" + (f"\n  ({note})" if note else ""), rank_local=e.rank_local, code=2)
+        print_once_per_job(f"error: {e}" + (f"\n  ({note})" if note else ""), rank_local=e.rank_local, code=2)
         raise SystemExit(2) from None
     except Preempted as e:
         if output is not None:
@@ -269,7 +269,7 @@ def error_boundary(output: OutputDir | None = None):
     except BaseException as e:
         if output is not None and disk_full(e, output.path):
             what = f"the disk is full ({type(e).__name__}: {str(e)[:500]}); {output.free_space()} under {output.path}"
-            report(
+            print_once_per_job(
                 f"error: {what}. Free space and rerun the same command: {output.resume_hint()}",
                 rank_local=True,
                 code=1,

@@ -35,7 +35,6 @@ from hf_stable.config.runtime import PreemptionConfig
 from hf_stable.distributed import all_reduce_flag, shutdown
 from hf_stable.errors import Preempted
 from hf_stable.logging import get_logger, print_main
-from hf_stable.outputs import INCOMPLETE_FILE
 
 logger = get_logger(__name__)
 
@@ -204,11 +203,9 @@ def exit_if_preempted(trainer, output=None) -> None:
         return
     step = callback.stopped_at
     checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
-    if output is not None:
-        output.write_json(
-            INCOMPLETE_FILE,
-            {"status": "preempted", "started": output.started, "step": step, "checkpoint": checkpoint},
-        )
+    if output is not None:  # the signal this rank got (on rank 0 maybe none: another rank's decided the stop)
+        name = signal.Signals(callback._received).name if callback._received else "/".join(callback.signals)
+        output.preempted(name, step=step, checkpoint=checkpoint)
     print_main(f"\npreempted: saved {checkpoint} at step {step}; rerun the same command to resume")
     shutdown()
     raise SystemExit(callback.exit_code)
