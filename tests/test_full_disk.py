@@ -80,7 +80,8 @@ def test_a_failed_save_is_a_full_disk_only_when_the_disk_is_nearly_full(tmp_path
     except ValueError as e:
         bug = e
     assert raised_while_saving(failed_save) and not raised_while_saving(bug)
-    assert not nearly_full(tmp_path) and not disk_full(failed_save, tmp_path)
+    assert not disk_full(bug, tmp_path)  # however full the disk
+    assert disk_full(failed_save, tmp_path) is nearly_full(tmp_path)  # a roomy disk: a failed save is no full disk
 
 
 # ---- a real full disk -------------------------------------------------------------------------------------------
