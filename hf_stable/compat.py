@@ -106,3 +106,90 @@ TRAINER_METHODS = {
 def has_mixed_mesh_grads(trainer, model) -> bool:
     """Whether gradients live on different device meshes (`Trainer._has_mixed_mesh_grads`)."""
     return trainer._has_mixed_mesh_grads(model)
+
+
+# --- DeepSpeed ZeRO: partitions between `engine.backward` and `engine.step` -----------------------------------------
+# DeepSpeed's public accessors (`deepspeed.utils.safe_get_full_grad`, ...) all-reduce each parameter's gradient: one
+# collective per tensor. Statistics need only this rank's part, which those accessors read through the attributes
+# below (ZeRO-1/2: `param._hp_mapping`, ZeRO-3: `param.ds_id` / `param._z3_optimizer`).
+
+
+def deepspeed_local_grad(param) -> torch.Tensor | None:
+    """This rank's part of `param`'s reduced gradient, a live view (None when this rank holds none of it).
+
+    ZeRO-1/2: the gradient fragment in ZeRO's partition (`_hp_mapping.get_lp_grad_fragment`, what
+    `safe_get_full_grad` reads before its all-reduce); ZeRO-3: the gradient partition (`safe_get_local_grad`'s source,
+    without its fp32 copy, so an in-place clip reaches the optimizer).
+    """
+    if hasattr(param, "ds_id"):
+        if not param.requires_grad:
+            return None
+        grad, _ = param._z3_optimizer._get_fp32_grad_state_partition(param=param, release_swap_buffers=False)
+        return grad
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    try:
+        return mapping.get_lp_grad_fragment(param._index_in_param_group)
+    except ValueError:  # "Gradients are only available immediately after backward and before engine step"
+        return None
+
+
+def deepspeed_local_param(param) -> torch.Tensor | None:
+    """ZeRO-3: this rank's partition of `param`'s weights (`param.ds_tensor`); None for other parameters."""
+    return getattr(param, "ds_tensor", None) if hasattr(param, "ds_id") else None
+
+
+def deepspeed_device(param) -> torch.device:
+    local = deepspeed_local_param(param)
+    return (local if local is not None else param).device
+
+
+def deepspeed_stage() -> int:
+    """The ZeRO stage of this run's DeepSpeed config (accelerate's plugin); 2 when it cannot be read."""
+    try:
+        from accelerate.state import AcceleratorState
+
+        plugin = AcceleratorState().deepspeed_plugin
+        return int(plugin.zero_stage) if plugin is not None else 2
+    except Exception:  # noqa: BLE001 - no accelerate state yet: the stage only names the engine
+        return 2
+
+
+def _loss_scaler(engine):
+    return getattr(getattr(engine, "optimizer", None), "loss_scaler", None)
+
+
+def deepspeed_loss_scaler_state(engine) -> dict | None:
+    """The numbers of the ZeRO optimizer's loss scaler (`cur_scale`, `cur_iter`, `last_overflow_iter`, ...)."""
+    scaler = _loss_scaler(engine)
+    if scaler is None:
+        return None
+    return {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool)) or v is None}
+
+
+def restore_deepspeed_loss_scaler_state(engine, state: dict) -> None:
+    scaler = _loss_scaler(engine)
+    if scaler is not None:
+        for k, v in state.items():
+            setattr(scaler, k, v)
+
+
+def deepspeed_master_partitions(optimizer) -> list[torch.Tensor] | None:
+    """The flat fp32 partitions a ZeRO optimizer updates on this rank (the keys of its base optimizer's state), or
+    None for any other optimizer. ZeRO-3 puts each one into its base optimizer's param groups only for the duration
+    of that sub-group's step (`param_groups[i]["params"]` is empty otherwise), so the groups cannot be read instead.
+    """
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):  # ZeRO-3, ZeRO-1/2
+        flat = getattr(optimizer, name, None)
+        if isinstance(flat, list) and (not flat or isinstance(flat[0], torch.Tensor)):
+            return list(flat)
+    return None
+
+
+def deepspeed_clear_overflow(engine) -> None:
+    """Clear the ZeRO optimizer's `overflow` flag after its step (it is reset at the start of every step anyway).
+    accelerate's `optimizer_step_was_skipped` reads it, and the Trainer then holds its LR schedule back a step."""
+    opt = getattr(engine, "optimizer", None)
+    if opt is not None and hasattr(opt, "overflow"):
+        opt.overflow = False

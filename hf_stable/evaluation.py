@@ -1,4 +1,9 @@
-"""Greedy exact-match evaluation on held-out prompts (the recipe's before/after check)."""
+"""Greedy exact-match evaluation on held-out prompts (the recipe's before/after check).
+
+The prompts are the training prompts (``hf_stable.data.encode_prompt``: the chat template's generation prompt, the
+empty think block of a thinking template included) and generation stops where training taught an answer to end: at
+the template's end-of-turn token (``DataBundle.stop_token_ids``), not only at ``tokenizer.eos_token``.
+"""
 
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ def exact_match(
     *,
     max_new_tokens: int = 32,
     batch_size: int = 64,
+    stop_token_ids: Sequence[int] | None = None,
 ) -> dict:
-    """Generate greedily for each record and compare the answer (up to EOS) with the reference.
+    """Generate greedily for each record and compare the answer (up to the first stop token) with the reference.
 
-    Prompts are left-padded for generation only; training batches stay right-padded.
+    Prompts are left-padded for generation only; training batches stay right-padded. `stop_token_ids` default to
+    the tokenizer's EOS; pass ``DataBundle.stop_token_ids`` to stop at the template's end of turn.
 
     Returns:
         {"exact_match": fraction, "n": count, "by_family": {family: fraction}, "examples": first 5 triples}
@@ -31,7 +38,8 @@ def exact_match(
 
     was_training = model.training
     model.eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = [int(t) for t in (stop_token_ids or [tokenizer.eos_token_id])]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[-1]
     device = next(model.parameters()).device
     hits: list[bool] = []
     per_family: dict[str, list[bool]] = defaultdict(list)
@@ -53,11 +61,10 @@ def exact_match(
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
                     pad_token_id=pad,
-                    eos_token_id=tokenizer.eos_token_id,
+                    eos_token_id=stops,
                 )
             for rec, row in zip(chunk, out[:, width:].tolist(), strict=False):
-                if tokenizer.eos_token_id in row:
-                    row = row[: row.index(tokenizer.eos_token_id)]
+                row = row[: next((k for k, t in enumerate(row) if t in stops), len(row))]
                 answer = tokenizer.decode(row, skip_special_tokens=True)
                 ok = _normalise(answer) == _normalise(reference(rec))
                 hits.append(ok)
@@ -110,6 +117,7 @@ def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
             reference_answer,
             max_new_tokens=eval_cfg.max_new_tokens,
             batch_size=eval_cfg.generation_batch_size,
+            stop_token_ids=getattr(data, "stop_token_ids", None),
         )
         out["exact_match"] = em["exact_match"]
         out["exact_match_detail"] = em

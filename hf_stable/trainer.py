@@ -14,13 +14,22 @@ Every hf_stable callback works in a stock `Trainer`; this subclass removes what 
   holding every micro-batch the plan can ask for, and a resume skips the micro-batches really consumed (not
   `global_step x accumulation`), so it continues bit for bit.
 
-DeepSpeed, FSDP, XLA, mixed device meshes and SageMaker MP fall back to the stock methods.
+* Sharded engines (`core.engine`): under FSDP2 the norm is the shared statistics' sum over the ranks' shards (one
+  collective); under DeepSpeed, which steps inside `accelerator.backward`, the callbacks' `on_pre_optimizer_step` runs
+  between the engine's backward and its step (where ZeRO's partitions hold the reduced gradients), the engine
+  then skips a step the guards skipped and keeps the LR schedule on `global_step` (`DeepSpeedEngine.step`), and the
+  Trainer's own later `on_pre_optimizer_step` call is not repeated. The stock `Trainer` cannot host that: its
+  callbacks see the step after DeepSpeed made it, so hf_stable's guards say so once and stay off there.
+
+XLA, mixed device meshes and SageMaker MP fall back to the stock methods.
 
 Example:
     >>> trainer = StableTrainer(model=model, args=args, train_dataset=ds, callbacks=build_callbacks(cfg, args))
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from transformers import Trainer
@@ -29,10 +38,10 @@ from transformers.trainer_utils import has_length
 from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.compat import foreach_mul_, has_mixed_mesh_grads
+from hf_stable.core.engine import DeepSpeedEngine, StepEngine
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.step_tap import RECORD_IDS_KEY, StepTap
 from hf_stable.data.epochs import EpochStreamSampler
-from hf_stable.distributed import sharded_training
 from hf_stable.forensics.quarantine import wrap_train_sampler
 
 
@@ -51,16 +60,19 @@ class StableTrainer(Trainer):
         from accelerate.utils import DistributedType
         from transformers.utils import is_sagemaker_mp_enabled
 
-        if sharded_training(self.args) is not None or is_sagemaker_mp_enabled():
-            return False
-        if self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.XLA):
-            return False
+        if is_sagemaker_mp_enabled() or self.accelerator.distributed_type in (
+            DistributedType.DEEPSPEED,
+            DistributedType.XLA,
+        ):
+            return False  # DeepSpeed: the engine's own norm of the step it made
         return not has_mixed_mesh_grads(self, model)
 
     def _shared_norm(self, model, max_norm: float | None) -> torch.Tensor | None:
         """The step's global gradient norm from `GradStats` (clipping to `max_norm` after reading); None: fall back."""
         if not self._reads_gradients(model):
             return None
+        if StepEngine.of(self.model).sharded:
+            return self._sharded_norm(max_norm)
         self.accelerator.unscale_gradients()  # fp16: once per step, as the stock clip does
         stats = GradStats.shared(self.model)
         dev = stats.device_stats(self.model, step=self.state.global_step)
@@ -84,6 +96,61 @@ class StableTrainer(Trainer):
                 for device, grads in by_device.items():
                     foreach_mul_(grads, coef.to(device))
         return dev.global_norm
+
+    def _sharded_norm(self, max_norm: float | None) -> torch.Tensor | None:
+        """FSDP2: the norm over every rank's shards from the step's one gathered report (a collective every rank
+        enters here, at the same point of every step); a clip scales the local shards by the agreed factor."""
+        self.accelerator.unscale_gradients()
+        stats = GradStats.shared(self.model)
+        report = stats.compute(self.model, step=self.state.global_step)
+        if not report.available:
+            return None
+        norm = torch.tensor(report.global_norm)
+        if max_norm is not None and math.isfinite(report.global_norm):
+            coef = min(1.0, max_norm / (report.global_norm + 1e-6))
+            dev = stats.device_stats(self.model, step=self.state.global_step)
+            if coef < 1.0 and dev is not None:
+                grads = [g for g in stats.engine.local_grads(dev.params) if g is not None]
+                with stats.edited(self.state.global_step, torch.tensor(coef)):
+                    foreach_mul_(grads, coef)
+        return norm
+
+    # --- DeepSpeed: the callbacks' pre-step between the engine's backward and its step ----------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self._host_engine_step()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _host_engine_step(self) -> None:
+        """Under DeepSpeed, make `accelerator.backward` run `on_pre_optimizer_step` before `engine.step()` (installed
+        once, on the first micro-batch, when accelerate has built the engine)."""
+        wrapper = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        if wrapper is None or getattr(wrapper, "_hf_stable_hosted", False):
+            return
+        adapter = StepEngine.of(self.model, refresh=True)
+        if not isinstance(adapter, DeepSpeedEngine):
+            return
+        engine, handler = wrapper.engine, self.callback_handler
+        trainer_pre_step = handler.on_pre_optimizer_step
+        hosted = {"ran": False}
+
+        def backward(loss, sync_gradients=True, **kwargs):
+            engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
+            engine.backward(loss, **kwargs)
+            if sync_gradients:
+                adapter.begin_step()
+                self.control = trainer_pre_step(self.args, self.state, self.control)
+                hosted["ran"] = True
+                adapter.step(engine)
+
+        def on_pre_optimizer_step(args, state, control):
+            if hosted["ran"]:  # it ran inside backward, before the engine's step
+                hosted["ran"] = False
+                return control
+            return trainer_pre_step(args, state, control)
+
+        wrapper.backward = backward
+        handler.on_pre_optimizer_step = on_pre_optimizer_step
+        wrapper._hf_stable_hosted = adapter.hosted = True
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         record_ids = inputs.pop(RECORD_IDS_KEY, None) if isinstance(inputs, dict) else None

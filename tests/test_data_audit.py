@@ -110,7 +110,10 @@ def test_cli_json_keys(dataset, tok_dir, capsys):
 def test_cli_text_and_errors(dataset, tok_dir, tmp_path, capsys):
     assert cli_main(["audit", dataset, "--tokenizer", tok_dir, "--skip-bad"]) == 0
     out = capsys.readouterr().out
-    assert "records read / kept / dropped | 10 / 7 / 3" in out and "EOS coverage | 100.0%" in out
+    assert (
+        "records read / kept / dropped | 10 / 7 / 3" in out
+        and "stop-token coverage (EOS / end of turn) | 100.0%" in out
+    )
     assert cli_main(["audit", dataset, "--tokenizer", tok_dir]) == 2  # bad line 9 without --skip-bad
     assert f"{dataset}:9: malformed JSON" in capsys.readouterr().err
     assert cli_main(["audit", dataset, "--tokenizer", str(tmp_path / "none")]) == 2
@@ -122,5 +125,5 @@ def test_cli_text_and_errors(dataset, tok_dir, tmp_path, capsys):
 def test_markdown_for_train_and_eval(tokenizer, dataset):
     a = audit_dataset(dataset, tokenizer, DataConfig(on_bad_record="skip", max_length=160))
     md = audit_markdown({"train": a, "eval": None})
-    assert md.startswith("### Data audit: train") and "| EOS coverage | 100.0% |" in md
+    assert md.startswith("### Data audit: train") and "| stop-token coverage (EOS / end of turn) | 100.0% |" in md
     assert "duplicates (exact + near) | 25.0% (1 + 1)" in md

@@ -261,3 +261,33 @@ def test_build_data_on_embedded_like_data(tokenizer, tmp_path):
     batch = data.collator([data.train_dataset[i] for i in range(4)])
     assert (batch["labels"] != IGNORE_INDEX).any()
     assert (tmp_path / "out" / "data_audit.json").is_file()
+
+
+# the turn ends with plain text: nothing generation could stop at
+PLAIN_END = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+# the generation prompt opens a reply the rendered assistant turn never has
+OTHER_OPENING = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'A: ' + m['content'] + eos_token }}"
+    "{% else %}{{ '<|user|>\n' + m['content'] + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        (PLAIN_END, "ends the final assistant turn with '5', not with a special token"),
+        (OTHER_OPENING, "does not match how its rendering of the conversation opens the final turn"),
+    ],
+)
+def test_a_template_that_breaks_the_rule_is_an_error_naming_the_line(tokenizer, tmp_path, template, message):
+    tokenizer.save_pretrained(tmp_path / "tok")
+    tok = PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok")
+    tok.chat_template = template
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    with pytest.raises(DataError, match=r"t\.jsonl:1: the chat template") as err:
+        build_data(DataConfig(train_file=path, audit=False), tok)
+    assert message in str(err.value)

@@ -82,6 +82,7 @@ def test_outputs_are_complete(llama_run):
         "run_summary.json",
         "README.md",
         "optimizer_groups.json",
+        "generation_config.json",
     ):
         assert (out / name).is_file(), f"missing {name}"
     assert not (out / "RUN_INCOMPLETE.json").exists()

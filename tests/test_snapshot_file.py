@@ -51,7 +51,7 @@ def test_disk_snapshot_round_trips_with_only_tensors_in_the_file(tmp_path):
     assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(params, moments, strict=True))
     assert opt.state[params[1]]["note"] == {"python": 3, "values": [1.5, "x"]}
     raw = torch.load(store.path, weights_only=True)  # what the file holds loads without pickle's globals
-    assert set(raw) == {"params", "state"}
+    assert set(raw) == {"params", "state", "extra"}
     assert all(isinstance(v[0], torch.Tensor) for s in raw["state"].values() for v in s.values())
 
 

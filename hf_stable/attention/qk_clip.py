@@ -76,6 +76,17 @@ def layer_mode(attn: torch.nn.Module) -> tuple[str, str | None]:
     expected = q_base.out_features * q_base.in_features
     if _sharded(q_base.weight, expected):
         return "refused", "q_proj/k_proj weights are sharded (ZeRO-3 / FSDP): QK-clip needs whole weights per rank"
+    edited = [
+        q_base.weight,
+        k_base.weight,
+        *[w for p in (attn.q_proj, attn.k_proj) if _is_lora(p) for w in _lora_b(p)],
+    ]
+    if any(hasattr(w, "_hp_mapping") for w in edited):
+        # ZeRO-1/2: the weights a forward reads are a copy of ZeRO's fp32 partitions, rewritten at every step
+        return (
+            "refused",
+            "DeepSpeed ZeRO updates fp32 partitions of these weights: a clip of the weights is overwritten",
+        )
     if hasattr(attn, "q_norm") and hasattr(attn, "k_norm"):
         if attn.q_norm.weight.requires_grad or attn.k_norm.weight.requires_grad:
             return "norm", None

@@ -29,6 +29,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_stable.config.fields import config_from
+from hf_stable.core.engine import StepEngine
 from hf_stable.core.events import write_event
 from hf_stable.core.grad_stats import begin_step
 
@@ -99,6 +100,26 @@ class StabilityCallback(TrainerCallback):
         saved = (state.stateful_callbacks or {}).get(STATE_KEY, {}).get(self.state_key)
         if saved is not None and state.global_step > 0:
             self.load_state_dict(saved)
+
+    def engine_unhosted(self, state, model) -> bool:
+        """True when the model's engine makes the step inside backward (DeepSpeed) and no `StableTrainer` runs the
+        callbacks' pre-step before it: `on_pre_optimizer_step` then comes after the update, with the gradients gone,
+        so gradient monitors and guards can neither read nor skip it. Said once per run (one `guard_off` event)."""
+        engine = StepEngine.of(model)
+        if not engine.owns_step or engine.hosted:
+            return False
+        if not engine.unhosted_said:
+            engine.unhosted_said = True
+            self.event(
+                state.global_step,
+                "guard_off",
+                f"under {engine.describe()} the stock Trainer calls on_pre_optimizer_step after DeepSpeed has made "
+                "the step: hf_stable's gradient monitors and guards (statistics, NaN location, skip, rollback, "
+                "clipping) cannot see or skip it and do nothing; train with hf_stable.trainer.StableTrainer (the "
+                "recipe does), which runs them between DeepSpeed's backward and its step",
+                severity="warning",
+            )
+        return True
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         begin_step(model)  # the shared gradient statistics gather afresh this step (rank-agreed, see grad_stats)

@@ -25,6 +25,7 @@ from collections import deque
 import torch
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.core.engine import StepEngine
 from hf_stable.core.step_tap import StepTapUser
 from hf_stable.distributed import all_gather_tensor, all_reduce_tensor, rank
 from hf_stable.forensics.attribution import (
@@ -165,9 +166,10 @@ class SpikeForensics(StepTapUser, StabilityCallback):
     def _attribute(self, step: int, step_reasons: list[str]) -> None:
         started = time.perf_counter()
         device = next(self._model.parameters()).device
+        engine = StepEngine.of(self._model)  # sharded: every rank re-runs its own micro-batches (equal counts)
         try:
             per = local_sample_losses(self._model, self._tap, self._args)
-            store = getattr(self._rollback, "_store", None)
+            store = getattr(self._rollback, "_store", None) if engine.can_rerun else None
             snap = snapshot_sample_losses(self._model, self._optimizer, store, self._tap, per, self._args)
         except Exception:  # noqa: BLE001 - e.g. out of memory: this rank brings no rows, the collectives still run
             per, snap = [], None
@@ -198,6 +200,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         by_grad = (
             not culprits
             and params is not None
+            and engine.can_rerun  # a sample's backward alone: not under an engine whose backward is collective
             and {"grad_spike", "nonfinite"} & set(step_reasons)
             and 0 < len(rows) <= self.cfg.max_grad_samples
         )  # agreed: the gathered table and the verdict
@@ -210,7 +213,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             culprits += [c for _, c in self._prompt_mismatches({step: (rows, culprits, med)}, inputs)]
         culprits = sorted(culprits, key=lambda c: -c.row.z)[: self.cfg.max_culprits]
         culprits = [c for c in culprits if c.row.record_id not in self.quarantine]
-        if self.cfg.grad_norms and culprits and params is not None and not by_grad:
+        if self.cfg.grad_norms and culprits and params is not None and not by_grad and engine.can_rerun:
             culprit_grad_norms(self._model, params, self._tap, located, culprits, self._args)
         live = [r for r in rows if r.tokens > 0]
         top = sorted(
@@ -313,8 +316,8 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         """(step, culprit) for the suspects of `judged` whose prompt makes their answer less likely (see
         `hf_stable.forensics.screening`). Every rank enters: the suspects come from the gathered table."""
         suspects = select_suspects(judged, self.cfg, self.quarantine)
-        if not suspects or self._model is None:
-            return []
+        if not suspects or self._model is None or StepEngine.of(self._model).forward_is_collective:
+            return []  # (FSDP2 / ZeRO-3: each suspect is re-run by the rank holding it - unequal forwards)
         empty = getattr(self.records, "empty_prompt", None) or []
         gains = suspect_prompt_gains(self._model, self._tap, suspects, located, empty, self._args)
         return [

@@ -68,6 +68,9 @@ class GradReport:
     n_tensors: int = 0
     extras: dict[str, float] = field(default_factory=dict)
     rank_norms: list[float] = field(default_factory=list)
+    # True when each rank held a part of every gradient (FSDP2, DeepSpeed ZeRO): the numbers are the sums over the
+    # ranks' parts and `rank_norms` are the parts' norms, which differ by nature
+    sharded: bool = False
 
     @property
     def nonfinite_total(self) -> int:
@@ -78,6 +81,8 @@ class GradReport:
         """True when the ranks' gradients are not the same (their global norms differ bitwise). After DDP's all-reduce
         they are identical, so a gradient was changed on one rank afterwards (a fault, a callback on one rank):
         applying it would silently turn the replicas into different models."""
+        if self.sharded:
+            return False
         return self.available and len({"nan" if math.isnan(v) else v for v in self.rank_norms}) > 1
 
     def metrics(self) -> dict[str, float]:

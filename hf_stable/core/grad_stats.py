@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from hf_stable.compat import foreach_norm, tensor_version
+from hf_stable.core.engine import StepEngine
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
 from hf_stable.distributed import all_gather_tensor, rank
 from hf_stable.optim.roles import group_parameters
@@ -34,6 +35,7 @@ from hf_stable.optim.roles import group_parameters
 __all__ = ["DeviceGradStats", "GradReport", "GradStats"]
 
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLAIN = StepEngine()
 
 
 def _gone():
@@ -102,6 +104,16 @@ class GradStats:
         return stats
 
     # --- configuration ----------------------------------------------------------------------
+    @property
+    def engine(self) -> StepEngine:
+        """Where the gradients live (`core.engine`): plain/DDP, FSDP2 or DeepSpeed ZeRO."""
+        model = self._model_ref() if self._model_ref is not None else None
+        return StepEngine.of(model) if model is not None else _PLAIN
+
+    def _grads(self) -> list:
+        """This rank's gradient of every statistics parameter (None where there is none)."""
+        return self.engine.local_grads(self._params)
+
     def refresh(self) -> None:
         """Re-read the parameter groups (call after freezing/unfreezing parameters)."""
         self._entries = None
@@ -129,7 +141,7 @@ class GradStats:
             dev = self._dev
             if scale is not None:
                 dev.scale = scale if dev.scale is None else dev.scale * scale
-            self._seen = self._fingerprint([p.grad for p in self._params])
+            self._seen = self._fingerprint(self._grads())
 
     @property
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -176,7 +188,7 @@ class GradStats:
     def _present(self):
         """(entries, grads) of the parameters that have a gradient now, and every parameter's gradient."""
         entries = self._ensure_entries()
-        grads = [p.grad for p in self._params]
+        grads = self._grads()
         if any(g is None for g in grads):
             present = [e for e, g in zip(entries, grads, strict=False) if g is not None]
             return present, [g for g in grads if g is not None], grads
@@ -200,7 +212,7 @@ class GradStats:
         """
         if key is None or step is None or key[0] != step or self._seen is None:
             return False
-        grads = [p.grad for p in self._params]
+        grads = self._grads()
         refs, versions = self._seen
         if _versions(grads) == versions and all(map(operator.is_, grads, [r() for r in refs])):
             return True
@@ -234,6 +246,7 @@ class GradStats:
         if model is not None and (self._model_ref is None or self._model_ref() is not model):
             self._model_ref, self._entries = weakref.ref(model), None
             self.invalidate()
+        self._ensure_entries()
         if self._hit(self._dev_key, step):
             return self._dev
         present, grads, every = self._present()
@@ -286,12 +299,11 @@ class GradStats:
                 vals.append(v.detach().to(device=device, dtype=torch.float32).reshape(1))
         return keys, vals
 
-    @staticmethod
-    def _param_max_abs(dev: DeviceGradStats) -> torch.Tensor | None:
+    def _param_max_abs(self, dev: DeviceGradStats) -> torch.Tensor | None:
         """Per-tensor max |g| (computed once per step, on request); None when gradients were dropped since
         (a guard skipped the step by setting `p.grad = None`)."""
         if dev.param_max_abs is None:
-            grads = [p.grad for p in dev.params]
+            grads = self.engine.local_grads(dev.params)
             if any(g is None for g in grads):
                 return None
             home = dev.param_norms.device
@@ -349,10 +361,28 @@ class GradStats:
         per_tensor = self._param_max_abs(dev) if (max_abs and dev is not None) else None
         if reuse_extras:
             first = 2 * n_groups + len(self._TAIL)
-            keys, extras = self._agreed_keys, [torch.tensor(self._agreed_rows[rank()][first:], device=device)]
+            saved = self._agreed_rows[rank()][first : first + len(self._agreed_keys)]
+            keys, extras = self._agreed_keys, [torch.tensor(saved, device=device)]
         else:
             keys, extras = self._extras(device)
-        return keys, torch.cat([head, self._max_part(dev, per_tensor, device), *extras])
+        parts = [head, self._max_part(dev, per_tensor, device), *extras]
+        if self.engine.sharded:  # each rank holds part of every tensor: its squared norms, summed over ranks
+            parts.append(self._tensor_squares(dev, len(entries), device))
+        return keys, torch.cat(parts)
+
+    def _tensor_squares(self, dev: DeviceGradStats | None, n: int, device) -> torch.Tensor:
+        """This rank's squared norm of every statistics tensor, in entry order (0 where it has no gradient)."""
+        out = torch.zeros(n, device=device)
+        if dev is None:
+            return out
+        if len(dev.names) == n:
+            return dev.param_norms.to(device).square()
+        at = {name: i for i, name in enumerate(self._entry_names())}
+        index = torch.tensor([at[name] for name in dev.names], dtype=torch.long, device=device)
+        return out.index_copy_(0, index, dev.param_norms.to(device).square())
+
+    def _entry_names(self) -> list[str]:
+        return [name for name, _, _ in self._ensure_entries()]
 
     def _needs_gather(self, step, max_abs: bool) -> bool:
         """Whether this call enters the collective - decided only from rank-agreed state (the step label and what
@@ -422,7 +452,10 @@ class GradStats:
         return report
 
     def _report(self, dev: DeviceGradStats | None, step) -> GradReport:
-        """The report from the gathered rows: sums of the extras, the worst rank of every statistic."""
+        """The report from the gathered rows: sums of the extras, the worst rank of every statistic (sharded
+        engines: the sums of the ranks' parts)."""
+        if self.engine.sharded:
+            return self._sharded_report(dev, step)
         rows, n_groups = self._agreed_rows, len(self._group_names)
         col = {name: self._slot(name) for name in self._TAIL}
         first = 2 * n_groups + len(self._TAIL)
@@ -451,6 +484,53 @@ class GradStats:
             value, arg = _best_rank([(row[col["max_abs"]], row[col["max_arg"]]) for row in rows])
             report.has_max_abs = True
             if value >= 0:  # else every gradient is non-finite: there is no finite maximum (stays NaN / None)
+                report.max_abs, report.max_abs_param = value, _name(dev, arg)
+                index = int(arg)
+                report.max_abs_group = dev.groups[dev.group_ids[index]] if index < len(dev.group_ids) else None
+        return report
+
+    def _sharded_report(self, dev: DeviceGradStats | None, step) -> GradReport:
+        """Every rank holds a part of each gradient (FSDP2 shards, ZeRO partitions): a norm is the root of the summed
+        squares of the parts, a tensor is non-finite when a part of it is on some rank, max |g| is the largest part."""
+        rows, n_groups = self._agreed_rows, len(self._group_names)
+        col = {name: self._slot(name) for name in self._TAIL}
+        first = 2 * n_groups + len(self._TAIL)
+        n_keys = len(self._agreed_keys)
+        extras = {k: sum(row[first + j] for row in rows) for j, k in enumerate(self._agreed_keys)}
+        rank_norms = [row[col["global"]] for row in rows]
+        if dev is None or any(row[col["available"]] < 0.5 for row in rows):
+            everywhere = all(row[col["available"]] < 0.5 for row in rows)
+            reason = self._unavailable_reason() if everywhere else "a rank has no gradient to read"
+            return GradReport(
+                step=step, available=False, reason=reason, extras=extras, rank_norms=rank_norms, sharded=True
+            )
+        names = self._entry_names()
+        squares = [sum(row[first + n_keys + i] for row in rows) for i in range(len(names))]
+        norms = [math.sqrt(v) if math.isfinite(v) else math.nan for v in squares]
+        finite = [(v, i) for i, v in enumerate(norms) if math.isfinite(v)]
+        top_norm, top = max(finite) if finite else (-1.0, 0)
+        present = sorted({gi for _, _, gi in self._ensure_entries()})
+        group_sq = {g: sum(row[g] ** 2 for row in rows) for g in present}
+        total = sum(group_sq.values())
+        report = GradReport(
+            step=step,
+            available=True,
+            global_norm=math.sqrt(total) if math.isfinite(total) else math.nan,
+            group_norms={
+                self._group_names[g]: math.sqrt(v) if math.isfinite(v) else math.nan for g, v in group_sq.items()
+            },
+            nonfinite={self._group_names[g]: int(max(row[n_groups + g] for row in rows)) for g in present},
+            max_param_norm=top_norm if top_norm >= 0 else math.nan,
+            max_norm_param=names[top] if top_norm >= 0 else None,
+            n_tensors=len(names),
+            extras=extras,
+            rank_norms=rank_norms,
+            sharded=True,
+        )
+        if self._agreed_max and all(row[col["has_max"]] > 0.5 for row in rows):
+            value, arg = _best_rank([(row[col["max_abs"]], row[col["max_arg"]]) for row in rows])
+            report.has_max_abs = True
+            if value >= 0:
                 report.max_abs, report.max_abs_param = value, _name(dev, arg)
                 index = int(arg)
                 report.max_abs_group = dev.groups[dev.group_ids[index]] if index < len(dev.group_ids) else None

@@ -24,25 +24,27 @@ def rank_of(args) -> int:
 
 
 def drop_gradients(optimizer, model=None) -> int:
-    """Set `p.grad = None` for every parameter the optimizer updates (and every trainable one of `model`).
+    """Skip the step for every parameter the optimizer updates (and every trainable one of `model`), the way the
+    model's engine skips (`core.engine`): `p.grad = None` under plain/DDP and FSDP2, the engine's own skip under
+    DeepSpeed.
 
     This is what skips a step: AdamW/Lion/SGD leave a parameter without a gradient untouched — no moment update,
     no weight decay. Zeroing the gradient would not skip: momentum and decay still move the weights.
     Returns how many gradients were dropped.
     """
-    n = 0
+    from hf_stable.core.engine import StepEngine
+
     seen: set[int] = set()
     params = [p for g in (optimizer.param_groups if optimizer is not None else []) for p in g["params"]]
     if model is not None:
         params += [p for p in model.parameters() if p.requires_grad]
+    unique = []
     for p in params:
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if p.grad is not None:
-            p.grad = None
-            n += 1
-    return n
+        if id(p) not in seen:
+            seen.add(id(p))
+            unique.append(p)
+    engine = StepEngine.of(model) if model is not None else StepEngine()
+    return engine.drop_gradients(unique)
 
 
 __all__ = ["GuardOrderError", "agree", "drop_gradients", "rank_of", "world_size"]

@@ -15,6 +15,10 @@ run code when loaded) is refused with a `SnapshotError` naming it, before any of
 Restoring copies the saved tensors back into the live ones (`copy_`: dtype, device and identity stay, the values are
 bitwise equal) and removes optimizer state that did not exist at snapshot time. If the optimizer was switched
 (optimizer phases) since the snapshot, only the weights are restored and the new optimizer's state is reset.
+
+Sharded engines (`core.engine`): every tensor is this rank's part (`engine.local`: an FSDP2 shard, a ZeRO
+partition), so a snapshot holds 1/N of the state per rank and a restore is local - no collective. DeepSpeed's
+optimizer updates fp32 partitions, so the model's own weights (`engine.extra_snapshot_tensors`) are saved too.
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ from pathlib import Path
 
 import torch
 
+from hf_stable.compat import deepspeed_master_partitions
+from hf_stable.core.engine import StepEngine
 from hf_stable.errors import HfStableError
 from hf_stable.optim.phases import unwrap_optimizer
+
+_PLAIN = StepEngine()
+_IN_FILE = ("params", "state", "extra")  # a disk snapshot's tensors; the rest stays in memory
 
 
 class SnapshotError(HfStableError):
@@ -37,20 +46,17 @@ class SnapshotError(HfStableError):
 
 
 def optimizer_params(optimizer) -> list[torch.Tensor]:
-    """The parameters the optimizer updates, in param-group order."""
-    return [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
+    """The parameters the optimizer updates, in param-group order (a ZeRO optimizer: its fp32 partitions)."""
+    opt = unwrap_optimizer(optimizer)
+    for candidate in (optimizer, opt):  # accelerate's wrapper, or the ZeRO optimizer itself
+        masters = deepspeed_master_partitions(candidate)
+        if masters is not None:
+            return masters
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
 def _optimizer_type(opt) -> str:
     return type(getattr(opt, "current", opt)).__name__
-
-
-def _entry(value, to_cpu: bool) -> tuple:
-    """(tensor, original device) for tensors - a CPU copy, or the live tensor for a streamed save; (None, a deep
-    copy) for Python values (e.g. an int step)."""
-    if isinstance(value, torch.Tensor):
-        return (value.detach().to("cpu", copy=True) if to_cpu else value.detach(), str(value.device))
-    return (None, copy.deepcopy(value))
 
 
 class SnapshotStore:
@@ -72,20 +78,30 @@ class SnapshotStore:
     def empty(self) -> bool:
         return self._snap is None
 
-    def save(self, step: int, optimizer, guard_states: dict) -> None:
+    def save(self, step: int, optimizer, guard_states: dict, engine: StepEngine | None = None, model=None) -> None:
+        engine = engine or _PLAIN
         opt = unwrap_optimizer(optimizer)
         params = optimizer_params(opt)
         index = {id(p): i for i, p in enumerate(params)}
         to_cpu = self.storage != "disk" or self.path is None
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            local = engine.local(t)
+            return local.to("cpu", copy=True) if to_cpu else local
+
         snap = {
             "step": step,
             "optimizer_type": _optimizer_type(opt),
-            "params": [p.detach().to("cpu", copy=True) if to_cpu else p.detach() for p in params],
+            "params": [keep(p) for p in params],
             "state": {
-                index[id(p)]: {k: _entry(v, to_cpu) for k, v in s.items()}
+                index[id(p)]: {
+                    k: (keep(v), str(v.device)) if isinstance(v, torch.Tensor) else (None, copy.deepcopy(v))
+                    for k, v in s.items()
+                }
                 for p, s in opt.state.items()
                 if id(p) in index
             },
+            "extra": [keep(t) for t in (engine.extra_snapshot_tensors(model) if model is not None else [])],
             "guard_states": copy.deepcopy(guard_states),
         }
         if not to_cpu:
@@ -94,8 +110,8 @@ class SnapshotStore:
             # the file gets the tensors only (what weights_only=True loads); Python values stay here
             state = snap["state"]
             tensors = {i: {k: e for k, e in s.items() if e[0] is not None} for i, s in state.items()}
-            torch.save({"params": snap["params"], "state": tensors}, self.path)
-            snap = {k: v for k, v in snap.items() if k not in ("params", "state")}
+            torch.save({"params": snap["params"], "state": tensors, "extra": snap["extra"]}, self.path)
+            snap = {k: v for k, v in snap.items() if k not in _IN_FILE}
             snap["values"] = {i: {k: e for k, e in s.items() if e[0] is None} for i, s in state.items()}
         self._snap, self.step = snap, step
 
@@ -111,22 +127,27 @@ class SnapshotStore:
         state = tensors["state"]
         for i, values in self._snap["values"].items():
             state[i] = {**state.get(i, {}), **copy.deepcopy(values)}
-        return {**{k: v for k, v in self._snap.items() if k != "values"}, "params": tensors["params"], "state": state}
+        kept = {k: v for k, v in self._snap.items() if k != "values"}
+        return {**kept, "params": tensors["params"], "state": state, "extra": tensors.get("extra", [])}
 
     def guard_states(self) -> dict:
         return {} if self._snap is None else self._snap["guard_states"]
 
-    def restore(self, optimizer) -> tuple[int, bool, dict]:
+    def restore(self, optimizer, engine: StepEngine | None = None, model=None) -> tuple[int, bool, dict]:
         """Put the snapshot back; returns (its step, whether the optimizer state was restored too, the guards'
         saved references)."""
+        engine = engine or _PLAIN
         snap = self.load()
         opt = unwrap_optimizer(optimizer)
         params = optimizer_params(opt)
         if snap is None or len(snap["params"]) != len(params):
             raise RuntimeError("rollback snapshot does not match the optimizer's parameters")
+        extra = engine.extra_snapshot_tensors(model) if model is not None else []
+        if len(extra) != len(snap.get("extra", [])):
+            raise RuntimeError("rollback snapshot does not match the model's trainable weights")
         with torch.no_grad():
-            for p, saved in zip(params, snap["params"], strict=False):
-                p.copy_(saved)
+            for p, saved in zip([*params, *extra], [*snap["params"], *snap.get("extra", [])], strict=True):
+                engine.local(p).copy_(saved)
         same_opt = snap["optimizer_type"] == _optimizer_type(opt)
         for i, p in enumerate(params):
             saved = snap["state"].get(i) if same_opt else None
@@ -141,8 +162,9 @@ class SnapshotStore:
                     live[key] = copy.deepcopy(device)
                     continue
                 cur = live.get(key)
-                if isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype:
-                    cur.copy_(value)
+                local = engine.local(cur) if isinstance(cur, torch.Tensor) else None
+                if local is not None and local.shape == value.shape and local.dtype == value.dtype:
+                    local.copy_(value)
                 else:
                     live[key] = value.to(device, copy=True)
         return snap["step"], same_opt, snap["guard_states"]

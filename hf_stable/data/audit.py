@@ -7,7 +7,12 @@ built by the same code (``records.py`` → ``samples.py``), not re-derived.
 
 Keys of the audit dict (JSON-safe): ``n_records`` (non-blank lines read), ``n_kept``, ``n_dropped`` and
 ``dropped_reasons`` (bad lines skipped + samples without a supervised token), ``n_cleaned`` /
-``n_chars_removed`` / ``cleaning``, ``eos_coverage`` (kept samples whose last supervised label is EOS),
+``n_chars_removed`` / ``cleaning``, ``eos_coverage`` (kept samples whose last supervised label is a stop token:
+the template's end of turn, or EOS without a template), ``chat_rendering`` (how records became prompt + supervised
+span, see ``prompts.py``), ``thinking`` (records of a thinking template rendered with thinking off / on),
+``n_aligned`` / ``n_reasoning_dropped`` (renderings aligned; reasoning blocks the template leaves out),
+``end_tokens`` (kept samples by the token ending their span), ``stop_tokens`` (what generation stops at: the
+saved ``generation_config.json`` lists them), ``sample`` (the first kept sample decoded, supervised span marked),
 ``label_coverage`` (supervised tokens / tokens), ``padding_ratio`` (padding tokens / batch tokens of the
 configured batching; ``padding_ratio_padded`` for plain padding), ``duplicate_rate`` (exact + near),
 ``length_histogram``, ``n_truncated`` and ``alerts``.
@@ -23,8 +28,9 @@ import sys
 from hf_stable.data.collators import pack_rows
 from hf_stable.data.duplicates import duplicate_stats
 from hf_stable.data.identity import exclude_records, read_exclusions
-from hf_stable.data.prompts import answer_text, eos_id, prompt_messages, resolve_template
+from hf_stable.data.prompts import answer_text, describe_rendering, prompt_messages, resolve_template, stop_token_ids
 from hf_stable.data.records import ReadResult, read_records
+from hf_stable.data.sample_view import sample_markdown, sample_view
 from hf_stable.data.samples import IGNORE_INDEX, EncodeStats, encode_records
 from hf_stable.errors import ModelError
 
@@ -82,20 +88,21 @@ def summarize(
     enc: EncodeStats,
     cfg,
     *,
-    eos_token_id: int,
+    tokenizer,
     batch_size: int = 8,
     seed: int = 0,
-    template: str = "",
+    template: str = "alpaca",
     path: str = "",
 ) -> dict:
     """The audit dict of one file from what `read_records` and `encode_records` produced under `cfg` (DataConfig)."""
+    stops = stop_token_ids(tokenizer, template, enc.end_tokens)
     max_length, packing, multiple = cfg.max_length, cfg.packing, cfg.pad_to_multiple_of
     row_tokens = packing_row_tokens(cfg)
     lengths = [len(s["input_ids"]) for s in samples]
     n_tokens = sum(lengths)
     n_sup = sum(sum(1 for x in s["labels"] if x != IGNORE_INDEX) for s in samples)
     sup_lasts = [[x for x in s["labels"] if x != IGNORE_INDEX][-1:] for s in samples]
-    n_eos = sum(1 for last in sup_lasts if last == [eos_token_id])
+    n_eos = sum(1 for last in sup_lasts if last and last[0] in stops)
     dropped = dict(read.skipped)
     for reason, n in enc.dropped.items():
         dropped[reason] = dropped.get(reason, 0) + n
@@ -112,6 +119,13 @@ def summarize(
         "file": path,
         "format": read.format,
         "template": template,
+        "chat_rendering": describe_rendering(tokenizer, template, dict(enc.thinking), enc.n_aligned),
+        "thinking": dict(enc.thinking),
+        "n_aligned": enc.n_aligned,
+        "n_reasoning_dropped": enc.n_reasoning_dropped,
+        "end_tokens": dict(enc.end_tokens),
+        "stop_tokens": tokenizer.convert_ids_to_tokens(stops),
+        "sample": sample_view(tokenizer, enc.first),
         "n_records": read.n_lines,
         "n_blank_lines": read.n_blank,
         "n_kept": len(samples),
@@ -158,7 +172,12 @@ def _alerts(a: dict) -> list[str]:
     if a["n_dropped"]:
         alerts.append(f"{a['n_dropped']} of {a['n_records']} records dropped: {a['dropped_reasons']}")
     if a["n_kept"] and a["eos_coverage"] < 1.0:
-        alerts.append(f"only {a['eos_coverage']:.1%} of samples end with a supervised EOS")
+        alerts.append(f"only {a['eos_coverage']:.1%} of samples end with a supervised stop token")
+    if a.get("n_reasoning_dropped"):
+        alerts.append(
+            f"{a['n_reasoning_dropped']} answers carry a reasoning block (<think>...</think>) that the chat template "
+            "leaves out of the assistant turn: only the text after it is trained"
+        )
     if a["n_truncated"]:
         n, limit = a["n_truncated"], a["max_length"]
         alerts.append(f"{n} answers truncated to fit max_length {limit}; raise data.max_length")
@@ -204,7 +223,7 @@ def audit_dataset(
         samples,
         enc,
         cfg,
-        eos_token_id=eos_id(tokenizer),
+        tokenizer=tokenizer,
         batch_size=batch_size,
         seed=seed,
         template=template,
@@ -218,10 +237,12 @@ def audit_markdown(audit: dict) -> str:
         return "\n\n".join(f"### Data audit: {name}\n\n{audit_markdown(a)}" for name, a in audit.items() if a)
     a = audit
     rows = [
+        ("rendering", a.get("chat_rendering", a.get("template", ""))),
+        ("stop tokens (generation_config.json)", ", ".join(f"`{t}`" for t in a.get("stop_tokens", [])) or "—"),
         ("records read / kept / dropped", f"{a['n_records']} / {a['n_kept']} / {a['n_dropped']}"),
         ("dropped by reason", ", ".join(f"{k}: {v}" for k, v in a["dropped_reasons"].items()) or "none"),
         ("records cleaned (chars removed)", f"{a['n_cleaned']} ({a['n_chars_removed']})"),
-        ("EOS coverage", f"{a['eos_coverage']:.1%}"),
+        ("stop-token coverage (EOS / end of turn)", f"{a['eos_coverage']:.1%}"),
         ("label coverage (supervised / tokens)", f"{a['label_coverage']:.1%}"),
         (
             f"padding ratio ({'packed' if a['packing'] else 'padded'}, batch {a['batch_size']})",
@@ -236,10 +257,13 @@ def audit_markdown(audit: dict) -> str:
     ]
     hist = a["length_histogram"]
     bins = " · ".join(f"≤{hi}: {c}" for hi, c in zip(hist["edges"][1:], hist["counts"], strict=False) if c)
-    lines = ["| check | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    # a pipe inside a cell (`<|eot_id|>`) would split it, code span or not: GitHub's tables want it escaped
+    lines = ["| check | value |", "|---|---|"] + [f"| {k} | {v.replace('|', chr(92) + '|')} |" for k, v in rows]
     lines += ["", f"Length histogram (tokens): {bins or 'empty'}"]
     if a["alerts"]:
         lines += ["", "Alerts:"] + [f"- ⚠ {x}" for x in a["alerts"]]
+    if a.get("sample"):
+        lines += ["", sample_markdown(a["sample"])]
     return "\n".join(lines)
 
 

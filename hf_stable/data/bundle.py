@@ -16,7 +16,7 @@ from typing import Any
 from hf_stable.data.audit import packing_row_tokens, summarize
 from hf_stable.data.collators import PackingCollator, PaddingCollator
 from hf_stable.data.identity import RecordTable, exclude_records, read_exclusions
-from hf_stable.data.prompts import encode_prompts, eos_id, resolve_template
+from hf_stable.data.prompts import encode_prompts, eos_id, resolve_template, stop_token_ids
 from hf_stable.data.records import read_records
 from hf_stable.data.samples import encode_records
 from hf_stable.errors import DataError
@@ -41,6 +41,9 @@ class DataBundle:
         audit: ``{"train": audit dict, "eval": audit dict or None}`` (empty when ``data.audit`` is off).
         stats: ``{"train": {...}, "eval": {...}}`` counts read / cleaned / kept / dropped by reason.
         template: the prompt template in use (``"chat_template"`` or ``"alpaca"``).
+        stop_token_ids: what generation stops at: the end tokens of the training samples' supervised spans (the
+            template's end of turn), then the tokenizer's EOS; exact match stops there and the saved
+            ``generation_config.json`` lists them (`hf_stable.reporting.save_generation_config`).
         format: the record format of the train file (``"alpaca"`` or ``"chat"``).
         records: the train file's `RecordTable` (``record_id`` -> file:line, hash, preview); the train dataset
             carries a ``record_id`` column, and `StableTrainer` turns on the collator's ``return_record_ids`` (a
@@ -55,6 +58,7 @@ class DataBundle:
     audit: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     template: str = "alpaca"
+    stop_token_ids: list[int] = field(default_factory=list)
     format: str = "alpaca"
     records: RecordTable = field(default_factory=RecordTable)
 
@@ -106,7 +110,7 @@ def build_data(
 
     template = resolve_template(tokenizer, cfg.template)
     eos = eos_id(tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos  # masked by position
 
     exclusions = read_exclusions(getattr(cfg, "exclude_file", None))
 
@@ -135,7 +139,7 @@ def build_data(
                 samples,
                 enc,
                 cfg,
-                eos_token_id=eos,
+                tokenizer=tokenizer,
                 batch_size=batch_size,
                 seed=seed,
                 template=template,
@@ -178,6 +182,7 @@ def build_data(
         audit=audit,
         stats=stats,
         template=template,
+        stop_token_ids=stop_token_ids(tokenizer, template, train_enc.end_tokens),
         format=train_read.format,
         records=RecordTable.from_records(
             train_read.records, encode_prompts(tokenizer, [{"instruction": "", "input": ""}], template)[0]

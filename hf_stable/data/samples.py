@@ -1,18 +1,22 @@
 """Training samples: token ids + labels, the labels policy and the truncation policy.
 
+What is prompt and what is answer is decided in ``prompts.py`` (the chat template's rendering, or the alpaca
+layout + EOS); this module joins them. "End token" below is the token that ends the supervised span: the template's
+end of turn (``<|eot_id|>``, ``<|im_end|>``), or the EOS without a template.
+
 Labels policy:
     * prompt tokens get -100 (the model is not trained to write the question);
-    * answer tokens and the final EOS are supervised — the EOS *by position* (it is the last token
+    * answer tokens and the end token are supervised — the end token *by position* (it is the last token
       of the sample), never by token id, so it is learned even when ``pad_token == eos_token``;
     * padding gets -100 in the collator (again by position: only the positions it adds).
 
-Truncation policy (``data.max_length`` counts prompt + answer + EOS):
+Truncation policy (``data.max_length`` counts prompt + answer + end token):
     * the prompt is never cut: a model trained on a question missing its start learns answers to
       questions nobody asked;
-    * if the sample is too long, the *answer* is cut from the right and the EOS is kept as the last
+    * if the sample is too long, the *answer* is cut from the right and the end token is kept as the last
       token, so every kept sample still teaches where an answer ends (counted as ``truncated`` in the
-      audit — a high count means ``max_length`` is too small, because a cut answer followed by EOS
-      teaches stopping early);
+      audit — a high count means ``max_length`` is too small, because a cut answer followed by its end
+      token teaches stopping early);
     * a sample whose prompt alone fills ``max_length`` has no room for a supervised token and is
       dropped and counted as ``no_supervised_token`` (an all -100 batch makes the loss NaN).
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from hf_stable.data.prompts import encode_answers, encode_prompts
+from hf_stable.data.prompts import encode_renderings, render_all
 from hf_stable.data.records import Record
 from hf_stable.errors import DataError
 
@@ -34,17 +38,30 @@ IGNORE_INDEX = -100
 
 @dataclass
 class EncodeStats:
-    """What encoding did: kept / truncated counts and drops by reason (with the first few lines)."""
+    """What encoding did: kept / truncated counts and drops by reason (with the first few lines).
+
+    Attributes:
+        end_tokens: kept samples by the token that ends their supervised span (``{"<|im_end|>": 120}``).
+        thinking: kept samples of a thinking template by rendering (``{"off": n, "on": m}``, see ``prompts.py``).
+        first: the first kept sample's ``{"where", "prompt_ids", "answer_ids"}`` (the audit shows it rendered).
+        n_aligned / n_reasoning_dropped: kept samples whose renderings were aligned / whose reasoning block the
+            template leaves out (``Rendering.aligned`` / ``reasoning_dropped``).
+    """
 
     n_in: int = 0
     n_kept: int = 0
     n_truncated: int = 0
     dropped: Counter = field(default_factory=Counter)
     dropped_examples: list[str] = field(default_factory=list)
+    end_tokens: Counter = field(default_factory=Counter)
+    thinking: Counter = field(default_factory=Counter)
+    first: dict | None = None
+    n_aligned: int = 0
+    n_reasoning_dropped: int = 0
 
 
 def build_sample(prompt_ids: list[int], answer_ids: list[int], max_length: int) -> tuple[list, list, bool] | None:
-    """Join prompt and answer (which ends with EOS) under the truncation policy above.
+    """Join prompt and answer (which ends with its end token) under the truncation policy above.
 
     Returns:
         ``(input_ids, labels, truncated)``, or None when no supervised token fits.
@@ -54,7 +71,7 @@ def build_sample(prompt_ids: list[int], answer_ids: list[int], max_length: int) 
         return None
     truncated = n_prompt + len(answer_ids) > max_length
     if truncated:
-        room = max_length - n_prompt  # >= 1: the EOS always fits
+        room = max_length - n_prompt  # >= 1: the end token always fits
         answer_ids = answer_ids[: room - 1] + answer_ids[-1:]
     return prompt_ids + answer_ids, [IGNORE_INDEX] * n_prompt + list(answer_ids), truncated
 
@@ -89,22 +106,23 @@ def encode_records(
     Args:
         tokenizer: a (fast) tokenizer with an EOS token.
         records: good records from `read_records`.
-        max_length: tokens per sample, prompt + answer + EOS.
+        max_length: tokens per sample, prompt + answer + end token.
         template: ``data.template``.
         vocab_size: ids must be below this; default ``len(tokenizer)``.
         chunk: records tokenized per fast-tokenizer call.
 
     Raises:
-        DataError: a token id outside the vocabulary (naming file:line); a tokenizer without EOS.
+        DataError: a token id outside the vocabulary, or a conversation the chat template cannot render under the
+            rule of ``prompts.py`` (naming file:line); a tokenizer without EOS.
     """
     vocab = int(vocab_size if vocab_size is not None else len(tokenizer))
     stats = EncodeStats(n_in=len(records))
     samples: list[dict] = []
     for start in range(0, len(records), chunk):
         part = records[start : start + chunk]
-        prompts = encode_prompts(tokenizer, [r.data for r in part], template)
-        answers = encode_answers(tokenizer, [r.data for r in part])
-        for k, (rec, p, a) in enumerate(zip(part, prompts, answers, strict=False)):
+        renderings = render_all(tokenizer, [r.data for r in part], template, [r.where for r in part])
+        encoded = encode_renderings(tokenizer, renderings, template)
+        for k, (rec, rendering, (p, a)) in enumerate(zip(part, renderings, encoded, strict=True)):
             built = build_sample(p, a, max_length)
             if built is None:
                 stats.dropped["no_supervised_token"] += 1
@@ -117,6 +135,14 @@ def encode_records(
             ids, labels, truncated = built
             check_vocab(ids, vocab, rec.where)
             stats.n_truncated += truncated
+            stats.end_tokens[rendering.end_token] += 1
+            if rendering.thinking is not None:
+                stats.thinking["on" if rendering.thinking else "off"] += 1
+            stats.n_aligned += rendering.aligned
+            stats.n_reasoning_dropped += rendering.reasoning_dropped
+            if stats.first is None:
+                n = len(p)
+                stats.first = {"where": rec.where, "prompt_ids": ids[:n], "answer_ids": ids[n:]}
             samples.append({"input_ids": ids, "labels": labels, "line": rec.line, "record_id": start + k})
     stats.n_kept = len(samples)
     return samples, stats

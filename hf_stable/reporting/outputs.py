@@ -1,4 +1,4 @@
-"""Everything written at the end of a run besides the adapter: plots, stability report, model card."""
+"""What a run writes at the end besides the adapter: generation config, plots, stability report, model card."""
 
 from __future__ import annotations
 
@@ -15,10 +15,16 @@ def optimizer_markdown(table: list[dict]) -> str:
 
 
 def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=None, optimizer_table=None) -> None:
-    """Write the loss/LR plot, the stability report and the model card into the run's output dir."""
+    """Write the generation config, the loss/LR plot, the stability report and the model card into the output dir."""
+    from hf_stable.reporting.generation_config import save_generation_config
     from hf_stable.reporting.model_card import write_model_card
     from hf_stable.reporting.plots import plot_loss_lr
     from hf_stable.reporting.report import render_report
+
+    tokenizer = getattr(trainer, "processing_class", None)
+    stops = getattr(data, "stop_token_ids", None) or []
+    if tokenizer is not None and data is not None:
+        save_generation_config(output.path, trainer.model, tokenizer, stops)
 
     plot = plot_loss_lr(
         trainer.state.log_history, output.path / "plots" / "loss_lr.png", title="loss and learning rate"
@@ -39,4 +45,5 @@ def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=Non
         optimizer_section=optimizer_markdown(optimizer_table or []),
         stability_section=render_report(output.path),
         doctor_section=doctor_md.read_text(encoding="utf-8") if doctor_md.is_file() else "",
+        stop_tokens=tokenizer.convert_ids_to_tokens(stops) if tokenizer is not None and stops else None,
     )

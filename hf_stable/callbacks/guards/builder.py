@@ -35,7 +35,7 @@ GUARD_EVENT_KINDS = {
     "accumulation_changed": "gradient accumulation changed (batch warmup, thermal guard), LR compensated",
     "thermal_throttle": "GPU hot: accumulation and LR lowered",
     "thermal_restore": "GPU cool again: accumulation and LR restored",
-    "guard_off": "a guard cannot act here (DeepSpeed, FSDP, no NVML) and does nothing",
+    "guard_off": "a guard cannot act here (the stock Trainer under DeepSpeed, no NVML) and does nothing",
     "guard_notice": "a configuration caveat (e.g. the Trainer also clips)",
 }
 

@@ -31,8 +31,8 @@ import torch
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.compat import foreach_mul_
 from hf_stable.config.guards import DEFAULT_GROUP_MAX_NORM, ClippingConfig
+from hf_stable.core.engine import StepEngine
 from hf_stable.core.grad_stats import GradReport, GradStats
-from hf_stable.distributed import sharded_training
 
 MODES = ("global", "per_group", "adaptive")
 
@@ -69,6 +69,7 @@ class ClipGuard(StabilityCallback):
         self._stats: dict[str, list[float]] = {}  # group -> [mean, var, n]
         self._clipped_steps = 0
         self._off = False
+        self._agc_said = False
         self.last_coefficients: dict[str, float] = {}
 
     # --- state -------------------------------------------------------------------------------------------
@@ -126,21 +127,21 @@ class ClipGuard(StabilityCallback):
                 coefs = {g: c * cap for g, c in coefs.items()}
         return coefs
 
-    def _apply(self, dev, coefs: dict[str, float]) -> None:
+    def _apply(self, dev, coefs: dict[str, float], engine: StepEngine) -> None:
         by_group: dict[int, list[torch.Tensor]] = {}
-        for p, gi in zip(dev.params, dev.group_ids, strict=False):
-            if p.grad is not None:
-                by_group.setdefault(gi, []).append(p.grad)
+        for g, gi in zip(engine.local_grads(dev.params), dev.group_ids, strict=False):
+            if g is not None and g.numel():
+                by_group.setdefault(gi, []).append(g)
         for gi, grads in by_group.items():
             c = coefs.get(dev.groups[gi], 1.0)
             if c < 1.0:
                 foreach_mul_(grads, c)
 
-    def _agc(self, dev) -> None:
+    def _agc(self, dev, engine: StepEngine) -> None:
         with torch.no_grad():
-            for p in dev.params:
-                g = p.grad
-                if g is None:
+            for p, g in zip(dev.params, engine.local_grads(dev.params), strict=True):
+                p = engine.local(p)
+                if g is None or not g.numel():
                     continue
                 dims = tuple(range(1, g.dim())) if g.dim() > 1 else None
                 w_norm = (
@@ -156,17 +157,8 @@ class ClipGuard(StabilityCallback):
         super().on_train_begin(args, state, control, **kwargs)
         if not self.enabled:
             return
-        reason = sharded_training(args)
-        self._off = reason is not None
-        if self._off:
-            self.event(
-                state.global_step,
-                "guard_off",
-                f"ClipGuard is off: {reason}; use the engine's own clipping "
-                "(DeepSpeed gradient_clipping, TrainingArguments.max_grad_norm under FSDP)",
-                severity="info",
-            )
-        elif args.max_grad_norm and args.max_grad_norm > 0:
+        self._off = False
+        if args.max_grad_norm and args.max_grad_norm > 0:
             self.event(
                 state.global_step,
                 "guard_notice",
@@ -176,7 +168,7 @@ class ClipGuard(StabilityCallback):
             )
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if not self.enabled or self._off or model is None:
+        if not self.enabled or self._off or model is None or self.engine_unhosted(state, model):
             return
         step = state.global_step + 1
         verdict = self.skip_guard.verdict_for(step) if self.skip_guard is not None else None
@@ -196,10 +188,20 @@ class ClipGuard(StabilityCallback):
             if clipped:
                 per_param = [coefs.get(dev.groups[gi], 1.0) for gi in dev.group_ids]
                 scale = torch.tensor(per_param, dtype=torch.float32, device=dev.param_norms.device)
+            engine = stats.engine
             with stats.edited(state.global_step, scale):
-                self._apply(dev, coefs)
-                if self.agc_lambda is not None:
-                    self._agc(dev)
+                self._apply(dev, coefs, engine)
+                if self.agc_lambda is not None and engine.whole_rows:
+                    self._agc(dev, engine)
+                elif self.agc_lambda is not None and not self._agc_said:
+                    self._agc_said = True
+                    self.event(
+                        state.global_step,
+                        "guard_notice",
+                        f"ClipGuard: AGC (agc_lambda) is not applied under {engine.describe()}: its partitions are "
+                        "flat slices, not whole rows of each weight; the per-group clip still runs",
+                        severity="warning",
+                    )
         self.last_coefficients = coefs
         self._clipped_steps += bool(clipped)
         after = math.sqrt(sum((coefs[g] * n) ** 2 for g, n in report.group_norms.items() if math.isfinite(n)))

@@ -39,13 +39,13 @@ from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.lr_control import LRControl
 from hf_stable.callbacks.guards.skip_guard import SkipGuard
 from hf_stable.config.guards import RollbackConfig
+from hf_stable.core.engine import StepEngine
 from hf_stable.core.monitor_utils import collective_device
 from hf_stable.core.rank_agreement import agree, drop_gradients, rank_of
 from hf_stable.core.rollback_check import probe_inputs, probe_snapshot, weights_damaged
 from hf_stable.core.snapshot import SnapshotStore, optimizer_params
 from hf_stable.core.snapshot_size import plan_storage, snapshot_size
 from hf_stable.core.step_tap import StepTap
-from hf_stable.distributed import sharded_training
 from hf_stable.errors import ConfigError
 
 
@@ -97,6 +97,8 @@ class RollbackGuard(StabilityCallback):
         self._rolled_back_at: int | None = None
         self._good_inputs: list | None = None  # the last accepted step's micro-batches (references) for the check
         self._off = False
+        self._model = None
+        self._engine: StepEngine | None = None
 
     # --- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -141,24 +143,25 @@ class RollbackGuard(StabilityCallback):
         self._bad.clear()
         self._finite_bad.clear()
 
-    @staticmethod
-    def _weights_finite(args, optimizer) -> bool:
+    def _weights_finite(self, args, optimizer) -> bool:
         """Every parameter the optimizer updates is finite, on every rank (one collective)."""
-        params = optimizer_params(optimizer)
+        engine = StepEngine.of(self._model) if self._model is not None else None
+        params = [engine.local(p) if engine is not None else p for p in optimizer_params(optimizer)]
         bad = any(not bool(torch.isfinite(p).all()) for p in params)
         return not agree([float(bad)], collective_device(args))[0]
 
     # --- snapshot / restore -------------------------------------------------------------------------------
     def take_snapshot(self, step: int, optimizer, reset_counter: bool = True) -> None:
         """Save the optimizer's parameters and state and the followers' references (CPU memory or disk)."""
-        self._store.save(step, optimizer, {f.state_key: f.stats_state() for f in self.followers})
+        states = {f.state_key: f.stats_state() for f in self.followers}
+        self._store.save(step, optimizer, states, engine=self._engine, model=self._model)
         self._repeats = 0
         if reset_counter:
             self._good_since = 0
 
     def restore(self, optimizer) -> tuple[int, bool]:
         """Put the snapshot back; returns (snapshot step, whether the optimizer state was restored too)."""
-        step, same_opt, guard_states = self._store.restore(optimizer)
+        step, same_opt, guard_states = self._store.restore(optimizer, engine=self._engine, model=self._model)
         for f in self.followers:
             if f.state_key in guard_states:
                 f.after_rollback(guard_states[f.state_key])
@@ -176,7 +179,9 @@ class RollbackGuard(StabilityCallback):
             raise ConfigError([f"stability.guards.rollback.storage: {plan.error or 'does not fit on another rank'}"])
         storage, verify = ("disk" if flags[1] else "memory"), not flags[2]
         self._store = SnapshotStore(storage, Path(args.output_dir) / "hf_stable_rollback" / f"rank{rank_of(args)}.pt")
-        self._plan = (storage, verify and self.verify)
+        # the check re-runs the model at the snapshot's weights: not under an engine that shards them
+        can_rerun = self._engine is None or self._engine.can_rerun
+        self._plan = (storage, verify and self.verify and can_rerun)
         if plan.note or storage != self.storage:
             self.event(
                 step,
@@ -191,9 +196,11 @@ class RollbackGuard(StabilityCallback):
             )
 
     # --- Trainer hooks ----------------------------------------------------------------------------------------
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        super().on_train_begin(args, state, control, optimizer=optimizer, **kwargs)
-        self._off = sharded_training(args) is not None or optimizer is None
+    def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
+        super().on_train_begin(args, state, control, optimizer=optimizer, model=model, **kwargs)
+        self._off = optimizer is None
+        self._model = model
+        self._engine = StepEngine.of(model, refresh=True) if model is not None else None
         if not self.enabled or self._off:
             return
         self._choose_storage(args, state.global_step, optimizer)

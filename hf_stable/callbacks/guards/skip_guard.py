@@ -28,7 +28,6 @@ from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.monitor_utils import collective_device, robust_zscore
 from hf_stable.core.rank_agreement import GuardOrderError, agree, drop_gradients
 from hf_stable.core.step_tap import StepTapUser
-from hf_stable.distributed import sharded_training
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch")
 _KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
@@ -293,14 +292,10 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self._device = collective_device(args)
         self._off_reason = None
         self.last_verdict = None
-        reason = sharded_training(args)
-        if reason is not None:
-            self._off_reason = reason
-            self.event(state.global_step, "guard_off", f"SkipGuard is off: {self._off_reason}", severity="info")
-        self._use_step_tap(model if self._off_reason is None else None)
+        self._use_step_tap(model)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if not self.enabled or self._off_reason is not None or model is None:
+        if not self.enabled or self._off_reason is not None or model is None or self.engine_unhosted(state, model):
             return
         step = state.global_step + 1
         report = GradStats.shared(model).compute(model, step=state.global_step)

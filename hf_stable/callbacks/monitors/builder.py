@@ -50,7 +50,7 @@ EVENT_KINDS = {
     "oom": "CUDA out-of-memory errors were raised",
     "data_stall": "waiting for data longer than computing (mild / severe)",
     "gpu_hot": "GPU temperature at or above the alert threshold",
-    "monitor_off": "a monitor cannot run here (e.g. gradient monitors under DeepSpeed)",
+    "monitor_off": "a monitor cannot run here (e.g. no gradient to read)",
     "monitor_notice": "a caveat about the numbers (e.g. gradients are post-clip)",
 }
 

@@ -15,7 +15,7 @@ import math
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.config.stability import GradMonitorConfig
 from hf_stable.core.grad_stats import GradReport, GradStats
-from hf_stable.core.monitor_utils import AlertGate, logs_at, sharded_training
+from hf_stable.core.monitor_utils import AlertGate, logs_at
 
 
 class GradientMonitor(StabilityCallback):
@@ -112,9 +112,6 @@ class GradientMonitor(StabilityCallback):
         if not self.enabled:
             return
         self._off_reason = None
-        sharded = sharded_training(args)
-        if sharded:
-            self._say_off(state, sharded)
         pre_clip = model is not None and GradStats.shared(model).pre_clip  # StableTrainer reads before clipping
         self._post_clip = bool(args.max_grad_norm and args.max_grad_norm > 0) and not pre_clip
         if self._post_clip and self._off_reason is None:
@@ -135,7 +132,7 @@ class GradientMonitor(StabilityCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if not self.enabled or self._off_reason is not None or model is None:
             return
-        if (state.global_step + 1) % self.every_n_steps:
+        if (state.global_step + 1) % self.every_n_steps or self.engine_unhosted(state, model):
             return
         stats = GradStats.shared(model)
         # The exact max |g| costs a second pass over the gradients: take it at logging steps (for the metric),

@@ -33,7 +33,7 @@ from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.compat import foreach_norm
 from hf_stable.config.stability import NonFiniteConfig
 from hf_stable.core.grad_stats import GradStats
-from hf_stable.core.monitor_utils import AlertGate, sharded_training
+from hf_stable.core.monitor_utils import AlertGate
 from hf_stable.core.step_tap import StepTap, StepTapUser, batch_gradients
 from hf_stable.distributed import all_reduce_tensor
 from hf_stable.logging import get_logger
@@ -80,11 +80,11 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
     # --- Trainer hooks ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
-        self._off = sharded_training(args) is not None
+        self._off = False
         self._use_step_tap(model if self.enabled else None)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if not self.enabled or model is None:
+        if not self.enabled or model is None or self.engine_unhosted(state, model):
             return
         stats = GradStats.shared(model)
         report = stats.compute(model, step=state.global_step)  # rank-agreed numbers (see the module docstring)
@@ -108,9 +108,16 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         # rank, which weights are, and whether some rank declines a re-run (so nobody enters it alone). The
         # vector runs over every trainable tensor, so its size is the same on every rank.
         named = stats.named_params
-        wants_rerun = dev is not None and suppressed is not None and self.rerun and self._reruns < self.max_reruns
+        engine = stats.engine
+        wants_rerun = (
+            dev is not None
+            and suppressed is not None
+            and self.rerun
+            and engine.can_rerun
+            and self._reruns < self.max_reruns
+        )
         with torch.no_grad():
-            weights = torch.stack(foreach_norm([p.detach() for _, p in named], 2.0))
+            weights = torch.stack(foreach_norm([engine.local(p) for _, p in named], 2.0))
             grads = torch.zeros_like(weights)
             if dev is not None:
                 at = {name: i for i, (name, _) in enumerate(named)}
@@ -134,7 +141,13 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
                 if stats.pre_clip
                 else "the Trainer's clip_grad_norm_ spreads one NaN to all"
             )
-            why = "switched off" if not self.rerun else f"used up (max_reruns={self.max_reruns})"
+            why = (
+                "switched off"
+                if not self.rerun
+                else f"is not possible under {engine.describe()}"
+                if not engine.can_rerun
+                else f"used up (max_reruns={self.max_reruns})"
+            )
             located = None
             if rerun:
                 located, op, why = self._rerun(model, named, args)

@@ -17,8 +17,10 @@ import torch
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.compat import foreach_copy, foreach_norm, foreach_sub
 from hf_stable.config.stability import UpdateMonitorConfig
+from hf_stable.core.engine import StepEngine
 from hf_stable.core.grad_stats import GradStats
-from hf_stable.core.monitor_utils import AlertGate, sharded_training
+from hf_stable.core.monitor_utils import AlertGate
+from hf_stable.distributed import all_reduce_tensor
 from hf_stable.optim.roles import group_parameters
 
 
@@ -90,7 +92,7 @@ class UpdateMonitor(StabilityCallback):
     # --- Trainer hooks ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
-        self._off = sharded_training(args) is not None  # ZeRO-3 / FSDP shard parameters: local norms
+        self._off = False
         self._groups = None
 
     def _params(self, model) -> tuple[list[str], list[int], list[torch.nn.Parameter]]:
@@ -111,21 +113,34 @@ class UpdateMonitor(StabilityCallback):
         _, _, params = self._params(model)
         if not params:
             return
+        if self.engine_unhosted(state, model):
+            return
+        engine = StepEngine.of(model)
         with torch.no_grad():
-            self._snapshot = foreach_copy([p.detach() for p in params])
-        dev = GradStats.shared(model).device_stats(model, step=state.global_step)
-        self._grad_norms = None if dev is None else (dev.groups, dev.group_norms)
+            self._snapshot = foreach_copy([engine.local(p) for p in params])
+        stats = GradStats.shared(model)
+        if engine.sharded:  # the local norms are parts: the step's report has the sums over ranks
+            report = stats.compute(model, step=state.global_step)
+            norms = [report.group_norms.get(g, float("nan")) for g in stats.group_names]
+            self._grad_norms = (stats.group_names, torch.tensor(norms)) if report.available else None
+        else:
+            dev = stats.device_stats(model, step=state.global_step)
+            self._grad_norms = None if dev is None else (dev.groups, dev.group_norms)
 
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self._snapshot is None or model is None:
             return
         names, ids, params = self._params(model)
         snapshot, self._snapshot = self._snapshot, None
-        judged = sorted({ids[i] for i, p in enumerate(params) if p.grad is not None})
+        engine = StepEngine.of(model)
+        if engine.owns_step:  # the engine cleared its gradients in its step: every group, if it applied it
+            judged = sorted(set(ids)) if engine.last_applied else []
+        else:
+            judged = sorted({ids[i] for i, g in enumerate(engine.local_grads(params)) if g is not None})
         if not judged:
             return
         with torch.no_grad():
-            current = [p.detach() for p in params]
+            current = [engine.local(p) for p in params]
             delta = foreach_sub(current, snapshot)
             d = torch.stack(foreach_norm(delta, 2.0)).square()
             w = torch.stack(foreach_norm(current, 2.0)).square()
@@ -134,6 +149,8 @@ class UpdateMonitor(StabilityCallback):
             n = len(names)
             upd = torch.zeros(n, device=device).index_add_(0, index, d)
             norm = torch.zeros(n, device=device).index_add_(0, index, w)
+            if engine.sharded:  # each rank's parts: sum the squares over ranks (every rank checks at this step)
+                upd, norm = all_reduce_tensor(torch.stack([upd, norm]), "sum").unbind(0)
             ratio = upd.sqrt() / norm.sqrt().clamp_min(1e-12)
             glob = (upd.sum().sqrt() / norm.sum().sqrt().clamp_min(1e-12)).reshape(1)
             parts = [ratio, glob]
