@@ -7,6 +7,7 @@ process at a chosen point) and compare the resumed run's final adapter with an u
 from __future__ import annotations
 
 import json
+import multiprocessing
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,6 +118,10 @@ def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, caps
     signals = PreemptionConfig(signals=["SIGUSR1"], exit_code=140)
     with pytest.raises(SystemExit) as stop, error_boundary(out), stop_on_signals(signals) as handled:
         assert handled == ["SIGUSR1"]
+        child = multiprocessing.get_context("fork").Process(target=signal.raise_signal, args=(signal.SIGUSR1,))
+        child.start()  # a forked child (a DataLoader worker) keeps the default action: it dies of the signal
+        child.join(30)
+        assert child.exitcode == -signal.SIGUSR1
         during = PreemptionCallback(signals=["SIGUSR1"])  # training: the callback takes the signal over ...
         during._install()
         signal.raise_signal(signal.SIGUSR1)

@@ -169,8 +169,13 @@ def stop_on_signals(config: PreemptionConfig | None = None):
     cfg = config or PreemptionConfig()
     handled = list(cfg.signals) if cfg.enabled and threading.current_thread() is threading.main_thread() else []
     exit_code = int(cfg.exit_code)
+    owner = os.getpid()
 
     def stop(signum, frame):
+        if os.getpid() != owner:  # a forked child (a DataLoader worker) inherited the handler: the default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         raise Preempted(signal.Signals(signum).name, exit_code)
 
     previous = {}
