@@ -29,7 +29,7 @@ NEARLY_FULL_BYTES = 64 * 2**20
 _SAVING = re.compile(r"^_*save")
 
 
-def _errors_in_chain(e: BaseException):
+def errors_in_chain(e: BaseException):
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -39,7 +39,7 @@ def _errors_in_chain(e: BaseException):
 
 def says_disk_full(e: BaseException) -> bool:
     """True when `e` (or an error it was raised from) says the disk or the quota is full (errno or text)."""
-    for err in _errors_in_chain(e):
+    for err in errors_in_chain(e):
         if isinstance(err, OSError) and err.errno in _FULL_ERRNOS:
             return True
         if any(text in str(err).lower().replace(" ", "") for text in _FULL_TEXT):
@@ -49,7 +49,7 @@ def says_disk_full(e: BaseException) -> bool:
 
 def raised_while_saving(e: BaseException) -> bool:
     """True when `e` (or an error it was raised from) was raised inside a function whose name starts with "save"."""
-    for err in _errors_in_chain(e):
+    for err in errors_in_chain(e):
         tb = err.__traceback__
         while tb is not None:
             if _SAVING.match(tb.tb_frame.f_code.co_name.lower()):

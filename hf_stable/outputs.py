@@ -34,7 +34,7 @@ from hf_stable.checkpoints import is_complete, list_checkpoints
 from hf_stable.core.events import EVENTS_FILE
 from hf_stable.errors import HfStableError, Preempted
 from hf_stable.forensics.quarantine import QUARANTINE_FILE
-from hf_stable.full_disk import describe_free, disk_full
+from hf_stable.full_disk import describe_free, disk_full, errors_in_chain
 from hf_stable.logging import is_main_process, process_rank
 
 SUMMARY_FILE = "run_summary.json"
@@ -44,6 +44,8 @@ FINISH_MARKERS = (SUMMARY_FILE, "README.md")
 # with several ranks, how long a rank other than 0 waits for the launcher to end it once rank 0 has reported the
 # error every rank has (torch elastic stops the other ranks within a second of the first exit)
 FOLLOWER_WAIT_SECONDS = 10.0
+# how gloo and NCCL say that another rank left a collective (it failed or stopped): not this rank's own failure
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote process exited")
 
 
 class OutputDirError(HfStableError):
@@ -224,11 +226,23 @@ def _wait_for_launcher(code: int) -> None:
             signal.signal(s, handler)
 
 
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def peer_lost(e: BaseException) -> bool:
+    """True when, with several ranks, `e` says another rank left a collective this rank was in."""
+    return _world_size() > 1 and any(t in str(err).lower() for err in errors_in_chain(e) for t in _PEER_LOST)
+
+
 def print_once_per_job(text: str, *, rank_local: bool, code: int) -> None:
     """Print `text` on stderr once per job: with several ranks, rank 0 prints what every rank has (`rank_local`
     False) and each rank prints its own failure, naming its rank (`error: rank 1: ...`)."""
     try:
-        rank, world = process_rank(), int(os.environ.get("WORLD_SIZE", "1") or 1)
+        rank, world = process_rank(), _world_size()
     except ValueError:  # a launcher's odd environment must not hide the message
         rank, world = 0, 1
     if world > 1 and (rank_local or rank != 0):
@@ -246,8 +260,9 @@ def error_boundary(output: OutputDir | None = None):
     dir's filesystem is nearly full: `hf_stable.full_disk`) is reported first, in one line naming the error, the
     free space and the checkpoint a rerun resumes from, with exit code 1 and no traceback. A termination signal
     outside a training step (`Preempted`, see `stop_on_signals`) marks the run "preempted" and exits with its code.
-    Any other exception is a bug: it is recorded in the output dir and re-raised with its traceback. With several
-    ranks a message is printed once (see `print_once_per_job`).
+    With several ranks, a rank whose collective lost another rank (gloo "Connection closed by peer") says so in one
+    `hf_stable:` line, exit code 1: the rank that left says why. Any other exception is a bug: it is recorded in the
+    output dir and re-raised with its traceback. A message is printed once per job (see `print_once_per_job`).
     """
     try:
         yield
@@ -277,6 +292,18 @@ def error_boundary(output: OutputDir | None = None):
             note = output.fail(e, description=what, reason="disk full")
             if note:
                 print(f"  ({note})", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        if peer_lost(e):  # the rank that left says why (its own error: line, or its traceback)
+            rank, what = process_rank(), f"{type(e).__name__}: {str(e)[:300]}"
+            if output is not None:
+                output.fail(
+                    e, f"another rank stopped, rank {rank} lost it in a collective ({what})", "another rank stopped"
+                )
+            print(
+                f"hf_stable: rank {rank} stopped: another rank left a collective ({what}); that rank's message says why",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(1) from None
         note = output.fail(e) if output is not None else None
         if note:

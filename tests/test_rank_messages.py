@@ -3,6 +3,7 @@ alone; a rank's own failure (its disk, its snapshot file) by that rank, naming i
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -87,3 +88,24 @@ def test_a_full_disk_on_one_rank_is_printed_by_that_rank_naming_it(tmp_path):
     assert len(errors) == 1 and errors[0].startswith("error: rank 1: the disk is full (OSError: "), run.tail()
     assert "rng_state_1.pth" in errors[0] and "it resumes from checkpoint-2" in errors[0]
     assert run.exit_codes().get(1) == 1, run.exit_codes()
+    # rank 0 lost rank 1 in the checkpoint's barrier: one line of its own, not gloo's traceback
+    assert "[rank0]: Traceback" not in run.stderr and "[rank0]: RuntimeError" not in run.stderr, run.tail()
+
+
+def test_a_rank_that_lost_another_rank_in_a_collective_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    from hf_stable.outputs import INCOMPLETE_FILE, OutputDir
+
+    out = OutputDir(tmp_path / "run").start({})
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:6062"
+    )
+    with pytest.raises(RuntimeError), error_boundary(out):  # one process: no other rank, a bug like any other
+        raise gloo
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stop, error_boundary(out):
+        raise gloo
+    (line,) = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 1 and line.startswith("hf_stable: rank 0 stopped: another rank left a collective")
+    status = json.loads((out.path / INCOMPLETE_FILE).read_text())
+    assert status["reason"] == "another rank stopped" and "Connection closed by peer" in status["error"]
