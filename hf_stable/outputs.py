@@ -64,6 +64,7 @@ class OutputDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.started = time.time()
+        self.finished = False
 
     def start(self, config: dict) -> OutputDir:
         """Create the directory, clear finish markers, write RUN_INCOMPLETE.json and the resolved config.
@@ -151,6 +152,7 @@ class OutputDir:
             fh.truncate()
 
     def finish(self, summary: dict) -> None:
+        self.finished = True  # from here on nothing marks the run incomplete (a signal during the last print)
         if is_main_process():
             self._write_json(SUMMARY_FILE, summary)
             (self.path / INCOMPLETE_FILE).unlink(missing_ok=True)
@@ -174,7 +176,7 @@ class OutputDir:
         return self._record(record)
 
     def _record(self, record: dict) -> str | None:
-        if not is_main_process() or not self.path.is_dir():
+        if not is_main_process() or not self.path.is_dir() or self.finished:
             return None
         text = json.dumps(record, indent=2, ensure_ascii=False, default=str)
         try:
@@ -275,7 +277,7 @@ def error_boundary(output: OutputDir | None = None):
         if output is not None:
             output.preempted(e.signal_name, step=None, note="stopped outside a training step: nothing was saved")
         hint = output.resume_hint() if output is not None else "it starts from the beginning"
-        if is_main_process():
+        if is_main_process() and not (output is not None and output.finished):
             print(f"\npreempted: {e} outside a training step, nothing to save; rerun the same command: {hint}")
             sys.stdout.flush()
         raise SystemExit(e.exit_code) from None

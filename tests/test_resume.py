@@ -146,6 +146,13 @@ def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, caps
     assert stop.value.code == 140 and json.loads((out.path / INCOMPLETE_FILE).read_text())["status"] == "preempted"
     assert signal.getsignal(signal.SIGUSR1) == before
 
+    capsys.readouterr()
+    out.finish({"train_steps": 0})  # a finished run stays finished, whatever arrives during its last line
+    with pytest.raises(SystemExit), error_boundary(out), stop_on_signals(signals):
+        signal.raise_signal(signal.SIGUSR1)
+    assert (out.path / "run_summary.json").is_file() and not (out.path / INCOMPLETE_FILE).exists()
+    assert "preempted" not in capsys.readouterr().out
+
 
 # ---- end to end: scripts/finetune.py killed and resumed -------------------------------------------------
 
