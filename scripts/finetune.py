@@ -47,7 +47,7 @@ def main(argv: list[str]) -> None:
         prepare_launch(args)  # e.g. refuses N processes that would each train alone on CPU
     output = OutputDir(args.output_dir)
     # a SIGTERM outside a training step (nothing to save) marks the run "preempted" and exits 143
-    with error_boundary(output), stop_on_signals(cfg.runtime.preemption):
+    with error_boundary(output), stop_on_signals(cfg.runtime.preemption, output):
         output.start(cfg.to_dict())
         logger.info("config %s -> output dir %s", cfg.source, args.output_dir)
 

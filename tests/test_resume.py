@@ -154,6 +154,43 @@ def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, caps
     assert "preempted" not in capsys.readouterr().out
 
 
+_BLOCKED = """
+import ctypes, os, signal, sys, threading
+from hf_stable.callbacks import preemption_callback
+from hf_stable.config.runtime import PreemptionConfig
+from hf_stable.outputs import OutputDir, error_boundary
+
+preemption_callback.STUCK_SECONDS = 1.0
+out = OutputDir(sys.argv[1]).start({})
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+with error_boundary(out), preemption_callback.stop_on_signals(PreemptionConfig(), out):
+    ctypes.CDLL(None).system(b"exec sleep 30 >/dev/null 2>&1")  # blocked in C, like a collective missing a rank
+print("not stopped")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_signal_while_blocked_in_a_c_call_still_ends_the_run_marked_preempted(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _BLOCKED, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 143, done.stdout + done.stderr[-3000:]
+    assert time.monotonic() - started < 25 and "not stopped" not in done.stdout  # not after the 30 s C call
+    status = json.loads((tmp_path / "run" / "RUN_INCOMPLETE.json").read_text())
+    assert status["status"] == "preempted" and status["signal"] == "SIGTERM" and "blocked" in status["note"]
+    assert "preempted: SIGTERM received while blocked in a C call" in done.stdout
+
+
 # ---- end to end: scripts/finetune.py killed and resumed -------------------------------------------------
 
 
