@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -c constraints.txt -e ".[dev,deepspeed]"
+	$(VENV)/bin/pip install -q -c constraints.txt -e ".[dev,deepspeed,bitsandbytes]"
 	touch $(STAMP)
 
 demo: setup

@@ -96,15 +96,32 @@ def poisoned_file(path: Path, seed: int, per_kind: int = 5, n: int | None = None
     return {k + 1: kind for k, (kind, _) in enumerate(lines) if kind is not None}
 
 
-def run(train_file: Path, out: Path, arm: str, seed: int, steps: int, base: Path | None = None) -> dict:
-    """One recipe run; returns its quarantine entries, eval loss, train runtime and attributed bad steps."""
+def mislabeled_file(path: Path, seed: int, rate: float, n: int | None = None) -> dict[int, str]:
+    """The (first `n`) embedded records with `rate` of them mislabeled in place: each chosen record gets the answer
+    of a random record of another task family in the same language (nothing else changes). Returns {line: kind}."""
+    rng = random.Random(seed)
+    records = base_records(n)
+    chosen = sorted(rng.sample(range(len(records)), round(rate * len(records))))
+    for k in chosen:
+        a = records[k]
+        b = rng.choice([r for r in records if r.get("family") != a.get("family") and r.get("lang") == a.get("lang")])
+        records[k] = {**a, "output": b["output"]}
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return {k + 1: "mislabeled" for k in chosen}
+
+
+def run(
+    train_file: Path, out: Path, arm: str, seed: int, steps: int, base: Path | None = None, epochs: int = 0
+) -> dict:
+    """One recipe run (`steps` steps, or `epochs` whole epochs when given); returns its quarantine entries, eval
+    loss, train runtime and attributed bad steps."""
+    length = ["--training.num_train_epochs", str(epochs), "--training.max_steps", "-1"] if epochs else []
     args = [
         sys.executable,
         str(ROOT / "scripts" / "finetune.py"),
         "--data.train_file",
         str(train_file),
-        "--training.max_steps",
-        str(steps),
+        *(length or ["--training.max_steps", str(steps)]),
         "--training.seed",
         str(seed),
         "--training.output_dir",
@@ -153,7 +170,9 @@ def run(train_file: Path, out: Path, arm: str, seed: int, steps: int, base: Path
         "steps": summary.get("train_steps") or steps,
         "screen_s": float(logged.get("perf/forensics_screen_s", 0.0)),
         "bad_steps": sum(1 for e in events if e.get("kind") == "step_forensics"),
+        "state": state.get("stateful_callbacks", {}).get("hf_stable", {}).get("SpikeForensics", {}),
         "forensics_s": float(logged.get("perf/forensics_s", 0.0)),
+        "trajectory_s": float(logged.get("perf/forensics_trajectory_s", 0.0)),
     }
 
 
@@ -189,6 +208,42 @@ def score(entries: list[dict], injected: dict[int, str]) -> dict:
     }
 
 
+def by_epoch(entries: list[dict], injected: dict[int, str], epochs: int) -> list[dict]:
+    """`score` of the entries named by the end of each epoch (an entry's ``epoch``: the sampler's epoch when it was
+    named, or the epoch a trajectory verdict judged), with and without the trajectory rule's."""
+    out = []
+    for e in range(1, epochs + 1):
+        upto = [x for x in entries if x["epoch"] < e]
+        local = [x for x in upto if x["reason"] != "trajectory"]
+        out.append({"all": score(upto, injected), "step_local": score(local, injected)})
+    return out
+
+
+def mislabeled_grid(a, tmp: Path, clean: Path, base: Path | None) -> None:
+    """The mislabeled-pair poison at each rate, for each run length: the screened run (``auto``, screening and
+    trajectories) against the plain run of the clean file, scored at the end of every epoch."""
+    for rate in [float(x) for x in a.mislabeled.split(",")]:
+        train = tmp / f"train_mislabeled_{rate:g}.jsonl"
+        injected = mislabeled_file(train, a.seed, rate, a.records)
+        for epochs in [int(x) for x in a.epochs.split(",")]:
+            ref = run(clean, tmp / f"clean_plain_{epochs}", "plain", a.train_seed, 0, base, epochs=epochs)
+            r = run(train, tmp / f"mislabeled_{rate:g}_{epochs}", "screen", a.train_seed, 0, base, epochs=epochs)
+            overhead = r["runtime"] / (r["runtime"] - r["screen_s"])
+            for e, sc in enumerate(by_epoch(r["entries"], injected, epochs), start=1):
+                s, loc = sc["all"], sc["step_local"]
+                print(
+                    f"mislabeled {rate:.0%} ({len(injected)}), {epochs} epoch(s), end of epoch {e}: "
+                    f"precision {s['precision']:.3f} recall {s['recall']:.3f} (named {s['quarantined']}, "
+                    f"true {s['true']}); step-local only: precision {loc['precision']:.3f} recall {loc['recall']:.3f}"
+                )
+            print(
+                f"  eval loss {r['eval_loss']:.4f} vs clean {ref['eval_loss']:.4f} ({r['eval_loss'] / ref['eval_loss']:.3f}x);"
+                f" screening + trajectory work {r['screen_s']:.2f}s (trajectory {r['trajectory_s']:.2f}s) in"
+                f" {r['runtime']:.1f}s: overhead {overhead:.3f}x;"
+                f" false: {s['false'][:8]}"
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=130, help="optimizer steps per run (16 records each)")
@@ -201,6 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--base", type=Path, default=None, help="a warm base built earlier (skips the warm-up runs)")
     p.add_argument("--arms", default="screen,auto,report,plain")
+    p.add_argument(
+        "--mislabeled", default=None, help="rates of the mislabeled-pair poison, e.g. 0.01,0.05 (its own grid)"
+    )
+    p.add_argument("--epochs", default="1,2,3", help="--mislabeled: whole epochs per run")
+    p.add_argument("--train-seed", type=int, default=3, help="--mislabeled: training seed (the poison: --seed)")
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="hf_stable_forensics_"))
     train = tmp / "train_poisoned.jsonl"
@@ -211,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
         started = time.time()
         base = warm_base(tmp, clean, a.warm_steps)
         print(f"warm base: {a.warm_steps} LoRA steps on the clean file, merged ({time.time() - started:.0f}s)")
+    if a.mislabeled:
+        return mislabeled_grid(a, tmp, clean, base)
     print(f"{len(injected)} bad records injected into {train} ({a.steps} steps per run)")
     clean_ref = run(clean, tmp / "clean_plain", "plain", a.seed, a.steps, base)
     print(f"  clean: eval loss {clean_ref['eval_loss']:.4f} (plain, clean file: the reference)")

@@ -130,12 +130,13 @@ def run_local(jobs: list[tuple[str, str, int]], n_jobs: int) -> list[dict]:
     return results
 
 
-def run_ddp(jobs: list[tuple[str, str, int]], steps: int, timeout: int = 1800) -> list[dict]:
+def run_ddp(jobs: list[tuple[str, str, int]], steps: int, timeout: int = 1800, engine: str = "ddp") -> list[dict]:
     torchrun = Path(sys.executable).parent / "torchrun"
     with tempfile.TemporaryDirectory() as tmp:
         base_dir, out = Path(tmp, "base"), Path(tmp, "out.jsonl")
         _STATE["bases"]["small"].save_pretrained(base_dir)
         spec = {"base_dir": str(base_dir), "steps": steps, "runs": jobs, "out": str(out), "timeout": timeout - 30}
+        spec["engine"] = engine
         Path(tmp, "spec.json").write_text(json.dumps(spec))
         cmd = [
             str(torchrun),

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 benchmarks/rescue_ddp.py SPEC.json
 
-SPEC: {"base_dir", "steps", "runs": [[case, arm, seed], ...], "out"}. Each run's result (rank 0's) is
+SPEC: {"base_dir", "steps", "runs": [[case, arm, seed], ...], "out", "engine" (optional: ddp, zero1/2/3, fsdp2)}. Each run's result (rank 0's) is
 appended to `out` as a JSON line, with `ranks_identical`: whether both ranks end with bitwise equal trainable
 weights (a run whose ranks split does not count as ok).
 """
@@ -13,6 +13,7 @@ import faulthandler
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
@@ -36,8 +37,28 @@ def main(spec_path: str) -> None:
     faulthandler.dump_traceback_later(int(spec.get("timeout", 1500)), exit=True)
     base = LlamaForCausalLM.from_pretrained(spec["base_dir"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    engine = spec.get("engine", "ddp")
+    overrides, full = None, None
+    if engine != "ddp":  # the engines of tests/dist_scripts (FSDP2 on CPU needs its test-only switch)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "dist_scripts"))
+        import fsdp_cpu
+        from engines import engine_args, full_weights
+
+        fsdp_cpu.enable()
+        overrides, full = engine_args(engine), full_weights
     for case, arm, seed in spec["runs"]:
-        result = run_one(base, CASES[case], arm, seed, spec["steps"], world=world, rank=rank)
+        result = run_one(
+            base,
+            CASES[case],
+            arm,
+            seed,
+            spec["steps"],
+            world=world,
+            rank=rank,
+            engine_overrides=overrides,
+            full_weights=full,
+        )
+        result["engine"] = engine
         digests = [None] * world
         dist.all_gather_object(digests, result["digest"])
         result["ranks_identical"] = len(set(digests)) == 1

@@ -182,15 +182,26 @@ def _events(callbacks) -> list[str]:
     return [e["kind"] for cb in callbacks for e in getattr(cb, "events", [])]
 
 
-def weights_digest(model) -> str:
-    flat = torch.cat([p.detach().reshape(-1).float() for p in peers.trainable(model)])
+def weights_digest(weights: list[torch.Tensor]) -> str:
+    flat = torch.cat([p.detach().reshape(-1).float() for p in weights])
     return hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]
 
 
 def run_one(
-    base, case: Case, arm: str, seed: int, steps: int, fp16_scale: float = 1.0, world: int = 1, rank: int = 0
+    base,
+    case: Case,
+    arm: str,
+    seed: int,
+    steps: int,
+    fp16_scale: float = 1.0,
+    world: int = 1,
+    rank: int = 0,
+    engine_overrides: dict | None = None,
+    full_weights=None,
 ) -> dict:
-    """Fine-tune `base` under `case` with `arm`; the final eval loss (NaN when weights are non-finite) and counts."""
+    """Fine-tune `base` under `case` with `arm`; the final eval loss (NaN when weights are non-finite) and counts.
+    `engine_overrides`: TrainingArguments of a sharded engine (DeepSpeed, FSDP2), with `full_weights(model)` giving
+    the gathered trainable weights for the digest."""
     from peft import LoraConfig, get_peft_model
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -217,7 +228,7 @@ def run_one(
     trainer_cls, callbacks, overrides, make_optimizer = _build(arm, model, case, steps, training)
     meter = LogitMeter(LOGIT_EVERY) if case.logits else None
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
-        args = training_args(tmp, **{**training, **overrides})
+        args = training_args(tmp, **{**training, **overrides, **(engine_overrides or {})})
         optimizer = make_optimizer(args) if make_optimizer else None
         trainer = trainer_cls(
             model=model,
@@ -233,7 +244,8 @@ def run_one(
         if stopped is not None:  # a stopped run is judged by its last checkpoint
             checkpoint = next(cb for cb in callbacks if isinstance(cb, peers.Checkpoints)).restore()
         eval_loss = trainer.evaluate()["eval_loss"]
-    if not all(bool(torch.isfinite(p).all()) for p in peers.trainable(model)):
+    weights = full_weights(model) if full_weights is not None else peers.trainable(model)
+    if not all(bool(torch.isfinite(p).all()) for p in weights):
         eval_loss = float("nan")
     events = _events(callbacks)
     skips = events.count("step_skipped") + sum(getattr(cb, "skips", 0) for cb in callbacks)
@@ -252,5 +264,5 @@ def run_one(
         "wall_s": time.perf_counter() - wall0,
         "logit_final": logits[-1] if logits else math.nan,
         "logit_peak": max(logits) if logits else math.nan,
-        "digest": weights_digest(model),
+        "digest": weights_digest(weights),
     }

@@ -108,6 +108,26 @@ def has_mixed_mesh_grads(trainer, model) -> bool:
     return trainer._has_mixed_mesh_grads(model)
 
 
+# --- bitsandbytes: the CPU inference repack of 4-bit weights --------------------------------------------------------
+
+
+def keep_cpu_4bit_layout(model: torch.nn.Module) -> int:
+    """Stop bitsandbytes' `Linear4bit` from repacking its weight for CPU inference (its `support_avx512bf16_for_cpu`
+    attribute); returns how many layers were changed.
+
+    On a CPU with AVX512-BF16 the first eval-mode forward without grad rewrites the frozen 4-bit weight in place into
+    another layout, so the evaluation before training changes the weights training then starts from and a re-run in
+    eval mode takes another kernel than the step it checks; it also fails outright when a layer's input size is not a
+    multiple of the quantization block (64: the embedded base's MLP width 352).
+    """
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed
+
+
 # --- DeepSpeed ZeRO: partitions between `engine.backward` and `engine.step` -----------------------------------------
 # DeepSpeed's public accessors (`deepspeed.utils.safe_get_full_grad`, ...) all-reduce each parameter's gradient: one
 # collective per tensor. Statistics need only this rank's part, which those accessors read through the attributes

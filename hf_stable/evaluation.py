@@ -3,6 +3,10 @@
 The prompts are the training prompts (``hf_stable.data.encode_prompt``: the chat template's generation prompt, the
 empty think block of a thinking template included) and generation stops where training taught an answer to end: at
 the template's end-of-turn token (``DataBundle.stop_token_ids``), not only at ``tokenizer.eos_token``.
+
+Where the parameters are sharded across ranks (DeepSpeed ZeRO-3, FSDP2), a forward gathers each layer's shards
+from every rank, so generation runs on every rank in step (`synced_gpus`) and the main process scores it; elsewhere
+the main process generates alone. Either way every rank ends with the main process's result.
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ def exact_match(
     max_new_tokens: int = 32,
     batch_size: int = 64,
     stop_token_ids: Sequence[int] | None = None,
+    synced: bool = False,
 ) -> dict:
     """Generate greedily for each record and compare the answer (up to the first stop token) with the reference.
 
     Prompts are left-padded for generation only; training batches stay right-padded. `stop_token_ids` default to
-    the tokenizer's EOS; pass ``DataBundle.stop_token_ids`` to stop at the template's end of turn.
+    the tokenizer's EOS; pass ``DataBundle.stop_token_ids`` to stop at the template's end of turn. `synced=True`
+    (every rank calls this with the same records) keeps the ranks' forwards in step until all are done, as sharded
+    parameters need (transformers' `synced_gpus`).
 
     Returns:
         {"exact_match": fraction, "n": count, "by_family": {family: fraction}, "examples": first 5 triples}
@@ -62,6 +69,7 @@ def exact_match(
                     do_sample=False,
                     pad_token_id=pad,
                     eos_token_id=stops,
+                    synced_gpus=synced,
                 )
             for rec, row in zip(chunk, out[:, width:].tolist(), strict=False):
                 row = row[: next((k for k, t in enumerate(row) if t in stops), len(row))]
@@ -82,32 +90,52 @@ def exact_match(
     }
 
 
-def _zero3(trainer) -> bool:
-    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
-    plugin = getattr(plugin, "deepspeed_plugin", None)
-    return bool(getattr(trainer, "is_deepspeed_enabled", False) and getattr(plugin, "zero_stage", 0) == 3)
+def sharded_parameters(model) -> str | None:
+    """Which engine shards `model`'s parameters across ranks ("ZeRO-3" / "FSDP"), or None.
+
+    Read from the parameters themselves (ZeRO-3 marks them with `ds_id`, FSDP2 makes them DTensors), so it is true
+    only once the engine has sharded them: under FSDP2 the model is whole until the Trainer prepares it.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if hasattr(p, "ds_id"):
+            return "ZeRO-3"
+        if isinstance(p, DTensor):
+            return "FSDP"
+    return None
+
+
+def _zero3_without_engine(trainer, sharded: str | None) -> bool:
+    """ZeRO-3 parameters that no DeepSpeed engine gathers yet (before `trainer.train()`): a forward cannot run."""
+    return sharded == "ZeRO-3" and getattr(trainer, "deepspeed", None) is None
 
 
 def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
     """Eval loss over the eval set plus exact match on up to `eval_cfg.exact_match_samples` held-out prompts.
 
-    Exact match runs on the main process only (the answer is the same on every rank); other ranks get None.
+    Under DeepSpeed call it once the engine exists (inside or after `trainer.train()`; the recipe's evaluation
+    before training is `BeforeTrainingEvaluation`): an evaluation before it makes transformers build an inference
+    engine, which ZeRO-1/2 refuse and which leaves ZeRO-3 without a training engine. Every rank gets the same result.
     """
     from hf_stable.data import encode_prompt, reference_answer
-    from hf_stable.logging import is_main_process
+    from hf_stable.distributed import broadcast_object
+    from hf_stable.logging import get_logger, is_main_process
 
     out: dict = {}
     if data.eval_dataset is not None:
         metrics = trainer.evaluate(metric_key_prefix=f"eval_{prefix}")
         out["eval_loss"] = metrics.get(f"eval_{prefix}_loss")
     n = min(eval_cfg.exact_match_samples, len(data.eval_records))
-    if n and _zero3(trainer):
-        # generation on the main process alone would wait forever for the other ranks' parameter shards
-        from hf_stable.logging import get_logger
-
-        get_logger(__name__).warning("exact match skipped: ZeRO-3 shards the parameters across ranks")
+    sharded = sharded_parameters(trainer.model)
+    if n and _zero3_without_engine(trainer, sharded):
+        get_logger(__name__).warning(
+            "%s: exact match skipped: ZeRO-3 partitions the parameters and no DeepSpeed engine gathers them before "
+            "trainer.train() starts (the recipe evaluates inside training)",
+            prefix,
+        )
         n = 0
-    if n and is_main_process():
+    if n and (sharded is not None or is_main_process()):
         template = getattr(data, "template", "auto")
         em = exact_match(
             trainer.model,
@@ -118,12 +146,14 @@ def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
             max_new_tokens=eval_cfg.max_new_tokens,
             batch_size=eval_cfg.generation_batch_size,
             stop_token_ids=getattr(data, "stop_token_ids", None),
+            synced=sharded is not None,
         )
         out["exact_match"] = em["exact_match"]
         out["exact_match_detail"] = em
+    if n:  # n is the same on every rank (config and eval data), so every rank enters the broadcast
+        shared = broadcast_object({k: out.get(k) for k in ("exact_match", "exact_match_detail")})
+        out.update(shared)
     if is_main_process():
-        from hf_stable.logging import get_logger
-
         if "exact_match" in out:
             by_family = (out.get("exact_match_detail") or {}).get("by_family")
             em_text = f"exact match {out['exact_match']} on {n} prompts" + (f" {by_family}" if by_family else "")

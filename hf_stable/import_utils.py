@@ -12,6 +12,7 @@ _EXTRA_OF = {
     "deepspeed": "deepspeed",
     "pynvml": "nvml",
     "tensorboard": "tensorboard",
+    "bitsandbytes": "bitsandbytes",
 }
 
 
@@ -37,6 +38,10 @@ def is_nvml_available() -> bool:
 
 def is_tensorboard_available() -> bool:
     return _has("tensorboard")
+
+
+def is_bitsandbytes_available() -> bool:
+    return _has("bitsandbytes")
 
 
 def require(module: str, what: str) -> None:

@@ -137,7 +137,9 @@ def exit_code_for(exc: BaseException, state: _LauncherState) -> int | None:
     * `SignalException` (torch elastic forwarded a signal and waited): the preemption exit code when the
       signal is a preemption signal, else 128 + the signal.
     * `ChildFailedError` (torch elastic, a worker failed): 2 when the first failure is a config/data error
-      (exit 2), the preemption exit code when every failure is that code; a crash keeps its report.
+      (exit 2), the preemption exit code when every failure is that code, or that code on some workers and, on
+      the others, the SIGTERM the agent sends the rest once one worker has exited (a preempted rank that left
+      first: every rank has passed the save and the exit barrier by then); a crash keeps its report.
     """
     name = type(exc).__name__
     if name == "CalledProcessError":
@@ -155,7 +157,8 @@ def exit_code_for(exc: BaseException, state: _LauncherState) -> int | None:
             first = codes[0] if codes else None
         if first == 2:
             return 2
-        if codes and all(c == state.exit_code for c in codes):
+        terminated = -int(signal.SIGTERM)  # how elastic reports a worker it stopped itself
+        if state.exit_code in codes and all(c in (state.exit_code, terminated) for c in codes):
             return state.exit_code
     return None
 

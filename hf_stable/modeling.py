@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from hf_stable.config import RunConfig
@@ -72,8 +73,30 @@ def _torch_dtype(name: str):
     return {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def _quantized_load(cfg: RunConfig) -> dict:
+    """`from_pretrained` keywords of a quantized base: the BitsAndBytesConfig and the one device it loads onto
+    (bitsandbytes quantizes while loading, so the weights must land where they will train: this rank's GPU)."""
+    q = cfg.model.quantization
+    if not q.enabled:
+        return {}
+    import torch
+
+    from hf_stable.import_utils import require
+
+    require("bitsandbytes", f"model.quantization.load_in: {q.load_in}")
+    use_cpu = bool(cfg.training.get("use_cpu")) or not torch.cuda.is_available()
+    device = "cpu" if use_cpu else int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return {"quantization_config": q.bnb_config(), "device_map": {"": device}}
+
+
+def is_quantized(model) -> bool:
+    """The model (or the base under a PEFT wrapper) was loaded in 4-bit or 8-bit by bitsandbytes."""
+    base = getattr(model, "get_base_model", lambda: model)()
+    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
+
+
 def load_model(cfg: RunConfig, base: str):
-    """The base causal LM with the configured dtype and attention implementation."""
+    """The base causal LM with the configured dtype, attention implementation and quantization."""
     from transformers import AutoModelForCausalLM
 
     attn = cfg.attention.implementation
@@ -88,6 +111,7 @@ def load_model(cfg: RunConfig, base: str):
             attn_implementation=attn,
             trust_remote_code=cfg.model.trust_remote_code,
             revision=cfg.model.revision,
+            **_quantized_load(cfg),
         )
     except OSError as e:
         raise ModelError(f"model.name_or_path: cannot load {base!r}: {e}") from None
@@ -95,15 +119,38 @@ def load_model(cfg: RunConfig, base: str):
         if "attn_implementation" in str(e) or "attention" in str(e).lower():
             raise ModelError(f"attention.implementation: {attn!r} rejected by transformers: {e}") from None
         raise
+    if cfg.model.quantization.enabled:
+        from hf_stable.compat import keep_cpu_4bit_layout
+
+        keep_cpu_4bit_layout(model)  # the frozen weights stay as loaded, in eval as in training
     return model
 
 
-def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool = False):
+def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool = False, quantization=None):
     """Wrap `model` with a peft LoRA adapter (or return it unchanged for a full fine-tune).
 
+    A quantized base first goes through peft's `prepare_model_for_kbit_training`: every base weight frozen, the
+    weights left in 16-bit (embeddings, lm_head, norms) cast to fp32 (unless `quantization.upcast_fp32` is off:
+    then they keep their dtype), and gradient checkpointing (non-reentrant) when asked.
+
     Raises:
-        ModelError: `lora.target_modules` matches no module of the model.
+        ModelError: `lora.target_modules` matches no module of the model; a full fine-tune of a quantized base.
     """
+    if is_quantized(model):
+        if not lora.enabled:
+            raise ModelError("lora.enabled: false on a quantized base; quantized weights cannot be trained")
+        from peft import prepare_model_for_kbit_training
+
+        dtypes = {name: p.dtype for name, p in model.named_parameters()}
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+        if quantization is not None and not quantization.upcast_fp32:
+            for name, p in model.named_parameters():
+                if p.dtype != dtypes[name]:
+                    p.data = p.data.to(dtypes[name])
     if gradient_checkpointing:
         # With frozen base weights the checkpointed blocks would see inputs that do not require grad.
         model.enable_input_require_grads()

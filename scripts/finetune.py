@@ -17,6 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from transformers import set_seed
 
 from hf_stable.callbacks import build_callbacks
+from hf_stable.callbacks.before_training_evaluation import BeforeTrainingEvaluation
 from hf_stable.callbacks.guards import guard_training_overrides
 from hf_stable.callbacks.preemption_callback import exit_if_preempted, stop_on_signals
 from hf_stable.checkpoints import resolve_resume
@@ -27,7 +28,7 @@ from hf_stable.doctor import preflight
 from hf_stable.evaluation import evaluate_run, results_line
 from hf_stable.logging import get_logger, is_main_process, print_main
 from hf_stable.modeling import apply_lora, count_parameters, load_model, load_tokenizer, resolve_base
-from hf_stable.optim import build_optimizer, format_group_table, group_table
+from hf_stable.optim import build_optimizer, format_group_table, group_table, trainer_optimizer_arguments
 from hf_stable.optim.phases import wrap_for_phases
 from hf_stable.outputs import OutputDir, error_boundary
 from hf_stable.reporting import finalize_outputs
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> None:
         tokenizer = load_tokenizer(cfg.model, base)
         set_seed(args.seed)  # LoRA's random init must not depend on the process or the run
         model = load_model(cfg, base)
-        model = apply_lora(model, cfg.lora, gradient_checkpointing=args.gradient_checkpointing)
+        model = apply_lora(model, cfg.lora, args.gradient_checkpointing, quantization=cfg.model.quantization)
         n_trainable, n_total = count_parameters(model)
         logger.info("model %s: %d trainable of %d parameters", cfg.model.name_or_path, n_trainable, n_total)
 
@@ -81,15 +82,17 @@ def main(argv: list[str]) -> None:
             preflight(cfg, args, model=model, tokenizer=tokenizer, data=data)
 
         # 3. optimizer groups (layer-wise LR, no-decay groups, LoRA+)
+        phases = cfg.stability.guards.phases if cfg.stability.guards.enabled else None
         optimizer = build_optimizer(model, cfg.optim, args)
-        if cfg.stability.guards.enabled and cfg.stability.guards.phases.enabled:
-            optimizer = wrap_for_phases(optimizer, cfg.stability.guards.phases, cfg.optim, args)
+        if phases is not None and phases.enabled:
+            optimizer = wrap_for_phases(optimizer, phases, cfg.optim, args)
         table = group_table(optimizer)
         output.write_json("optimizer_groups.json", table)
         print_main(format_group_table(table))
 
         # 4. stability callbacks (monitors, guards, spike forensics, preemption, checkpoint marker, one-line printer
-        # with disable_tqdm) and the Trainer (its grad norm comes from the monitors' one pass over the gradients)
+        # with disable_tqdm) and the Trainer (its grad norm comes from the monitors' one pass over the gradients);
+        # under DeepSpeed and FSDP the Trainer builds the same optimizer groups itself (it drops or refuses a prebuilt one)
         callbacks = build_callbacks(cfg, args, records=data.records)
         trainer = StableTrainer(
             model=model,
@@ -98,17 +101,19 @@ def main(argv: list[str]) -> None:
             eval_dataset=data.eval_dataset,
             data_collator=data.collator,
             processing_class=tokenizer,
-            optimizers=(optimizer, None),
             callbacks=callbacks,
+            **trainer_optimizer_arguments(optimizer, cfg.optim, args, phases=phases),
         )
 
-        # 5. evaluate, train, evaluate
-        before = (
-            evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="before") if cfg.evaluation.before else {}
-        )
+        # 5. evaluate, train, evaluate. The evaluation before training runs as training begins, once the engine
+        # (DeepSpeed, FSDP) has prepared the model; a resumed run keeps its first launch's numbers
+        before = BeforeTrainingEvaluation(trainer, tokenizer, data, cfg.evaluation) if cfg.evaluation.before else None
+        if before is not None:
+            trainer.add_callback(before)  # last: every other callback has begun when it evaluates
         train_result = trainer.train(resume_from_checkpoint=resume)
         exit_if_preempted(trainer, output)  # SIGTERM: checkpoint saved, exit 143, run marked "preempted"
         after = evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="after")
+        before = before.result if before is not None else {}
 
         # 6. adapter, tokenizer, state, plots, model card, summary
         trainer.save_model(args.output_dir)

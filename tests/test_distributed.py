@@ -1,5 +1,7 @@
 """scripts/finetune.py on two real CPU ranks (gloo): DDP with a preemption + resume, DeepSpeed ZeRO-2 and ZeRO-3.
 
+The ZeRO runs are the default recipe's (`harness.engine_runs`, shared with tests/test_distributed_engines.py).
+
 Each launch goes through tests/dist_scripts/recipe_probe.py, which records per rank the dataset rows of every
 batch, the final LoRA tensors, the hf_stable callbacks' events and states, and the in-memory logits.
 """
@@ -14,13 +16,12 @@ import torch
 
 from hf_stable.checkpoints import MARKER_FILE, checkpoint_problems
 from tests.dist_scripts.harness import (
-    CPU,
     PROBE_INPUT_IDS,
     ddp_args,
     ddp_reference_run,
+    engine_runs,
     launch,
     load_adapter,
-    recipe_args,
     strip_timing,
 )
 
@@ -144,11 +145,10 @@ def test_ddp_decisions_identical_across_ranks_and_logs_written_once(ddp):
 
 
 @pytest.mark.deepspeed
-def test_zero2_trains_on_two_ranks_and_checkpoints_are_marked_after_every_shard(tmp_path):
+def test_zero2_trains_on_two_ranks_and_checkpoints_are_marked_after_every_shard():
     pytest.importorskip("deepspeed")
-    out = tmp_path / "out"
-    args = recipe_args(out, steps=4, save_steps=2) + CPU + ["--training.deepspeed", "configs/deepspeed/zero2.json"]
-    run = launch(args, out, nproc=2)
+    (run,) = engine_runs("zero2")
+    out = run.out
     assert run.returncode == 0, run.tail()
     r0, _ = run.ranks()
     assert (r0["deepspeed_stage"], r0["world_size"], r0["global_step"]) == (2, 2, 4)
@@ -168,14 +168,13 @@ def test_zero2_trains_on_two_ranks_and_checkpoints_are_marked_after_every_shard(
 
 
 @pytest.mark.deepspeed
-def test_zero3_lora_save_reload_merge_gives_the_in_memory_logits(tmp_path):
+def test_zero3_lora_save_reload_merge_gives_the_in_memory_logits():
     pytest.importorskip("deepspeed")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "out"
-    args = recipe_args(out, steps=4) + CPU + ["--training.deepspeed", "configs/deepspeed/zero3.json"]
-    run = launch(args, out, nproc=2)
+    run = engine_runs("zero3")[-1]  # the launch that resumed after a preemption and finished
+    out = run.out
     assert run.returncode == 0, run.tail()
     r0, _ = run.ranks()
     assert r0["deepspeed_stage"] == 3 and r0["params_partitioned"]  # really ZeRO-3, not a silent fallback

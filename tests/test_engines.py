@@ -28,9 +28,10 @@ ENGINES = ["zero2", "zero3", "fsdp2"]
 
 
 @functools.cache
-def run(engine: str) -> tuple[list[dict], list[list[torch.Tensor]]]:
-    out = session_dir() / f"engines_{engine}"
-    torchrun_two_ranks(SCRIPT, engine, str(out), timeout=300, env={"ENGINES_TIMEOUT": "240"})
+def run(engine: str, stock: bool = False) -> tuple[list[dict], list[list[torch.Tensor]]]:
+    out = session_dir() / f"engines_{engine}{'_stock' if stock else ''}"
+    extra = ["stock"] if stock else []
+    torchrun_two_ranks(SCRIPT, engine, str(out), *extra, timeout=300, env={"ENGINES_TIMEOUT": "240"})
     ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1)]
     weights = [torch.load(out / f"rank{i}.pt") for i in (0, 1)]
     return ranks, weights
@@ -76,3 +77,28 @@ def test_sharded_engine_takes_the_ddp_decisions_with_the_ddp_norms(engine):
         assert r["lrs"] == pytest.approx(ref[0]["lrs"], rel=1e-6)
     for got, want in zip(weights[0], ref_weights[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_the_stock_trainer_under_fsdp2_runs_the_guards_as_stable_trainer_does():
+    """Under FSDP2 the stock Trainer calls on_pre_optimizer_step between backward and optimizer.step: the same
+    callbacks skip, roll back and keep the ranks identical without StableTrainer."""
+    ranks, weights = run("fsdp2", stock=True)
+    ref, _ = run("ddp")
+    _check_run(ranks, weights)
+    assert ranks[0]["lrs"] == pytest.approx(ref[0]["lrs"], rel=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.timeout(400)
+def test_the_stock_trainer_under_deepspeed_says_once_that_the_guards_cannot_act():
+    """DeepSpeed steps inside backward: a stock Trainer's callbacks come after the update. One `guard_off` event
+    points to StableTrainer; no guard pretends (no skip, no rollback), and DeepSpeed's own overflow skip handles
+    the NaN step."""
+    ranks, _ = run("zero2", stock=True)
+    for r in ranks:
+        off = [e for e in r["events"] if e["kind"].endswith("_off")]
+        assert len(off) == 1 and "StableTrainer" in off[0]["message"]
+        assert r["skipped"] == [] and r["rollbacks"] == [] and r["norms"] == {}

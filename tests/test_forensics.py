@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_stable.forensics.quarantine import read_quarantine
-from tests.dist_scripts.forensics_run import build, position_of
+from tests.dist_scripts.forensics_run import build, position_of, read_result, run_script
 
 
 def _run(tmp_path, packing, factor, mode="auto"):
@@ -145,26 +143,7 @@ def test_report_mode_writes_the_file_but_keeps_training_on_it(tmp_path):
 SCRIPT = Path(__file__).parent / "dist_scripts" / "forensics_run.py"
 
 
-def _script(out, *args, check=True):
-    import os
-    import subprocess
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def _result(out, r=0):
-    return json.loads((Path(out) / f"result_rank{r}.json").read_text()), torch.load(Path(out) / f"lora_rank{r}.pt")
+_script, _result = run_script, read_result
 
 
 @pytest.mark.slow
@@ -216,6 +195,35 @@ def test_two_ranks_name_the_same_culprit_and_stay_identical(tmp_path):
     screened = [e for e in entries if e["reason"] == "prompt_mismatch"]
     assert screened and all(math.isfinite(e["evidence"]["prompt_gain"]) for e in screened)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("engine", ["zero2", "fsdp2"])
+def test_sharded_engines_name_the_same_culprit_on_both_ranks(tmp_path, engine):
+    """Under ZeRO-2 and FSDP2 the bad step's record ids and per-sample losses are gathered as under DDP: both ranks
+    skip the step, name the poisoned line and quarantine it alike, and end with the same full weights."""
+    from tests.dist_scripts.harness import torchrun_two_ranks
+
+    idx = position_of(6)
+    torchrun_two_ranks(
+        SCRIPT,
+        str(tmp_path),
+        "--poison-index",
+        str(idx),
+        "--steps",
+        "8",
+        "--save-steps",
+        "0",
+        "--engine",
+        engine,
+        timeout=380,
+    )
+    (r0, w0), (r1, w1) = _result(tmp_path, 0), _result(tmp_path, 1)
+    assert r0["quarantine"] == r1["quarantine"] and r0["skipped"] == r1["skipped"] and len(r0["skipped"]) == 1
+    assert [e["where"] for e in r0["quarantine"]["entries"]] == [f"train.jsonl:{idx + 1}"]
+    assert all(torch.equal(w0[k], w1[k]) for k in w0) and all(torch.isfinite(w).all() for w in w0.values())
 
 
 def test_a_degenerate_answer_is_quarantined_before_the_first_step_and_never_trained_on(tmp_path, monkeypatch):

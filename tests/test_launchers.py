@@ -113,6 +113,9 @@ def test_launcher_exit_status_follows_the_workers():
     assert exit_code_for(SignalException("x", sigval=signal.SIGINT), state) == 130  # not a preemption signal
     assert exit_code_for(failed(2, 2), state) == 2
     assert exit_code_for(failed(143, 143), state) == 143
+    # one preempted rank left first and the agent stopped the other, still exiting (seen under DeepSpeed)
+    assert exit_code_for(failed(-15, 143), state) == 143
+    assert exit_code_for(failed(-15, -15), state) is None  # stopped by someone else: keep the report
     assert exit_code_for(failed(1, 143), state) is None  # a crash keeps torch elastic's failure report
     assert exit_code_for(ValueError("bug"), state) is None
 

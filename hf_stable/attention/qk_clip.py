@@ -70,10 +70,16 @@ def _sharded(weight: torch.Tensor, expected: int) -> bool:
     return type(weight).__name__ == "DTensor" or weight.numel() != expected or hasattr(weight, "ds_id")
 
 
+def _quantized(weight: torch.Tensor) -> bool:
+    return type(weight).__name__ in ("Params4bit", "Int8Params")  # bitsandbytes' packed weights
+
+
 def layer_mode(attn: torch.nn.Module) -> tuple[str, str | None]:
     """`(mode, reason)`: which weights a clip would scale on this layer, or "refused" with why."""
     q_base, k_base = _base_linear(attn.q_proj), _base_linear(attn.k_proj)
     expected = q_base.out_features * q_base.in_features
+    if _quantized(q_base.weight) or _quantized(k_base.weight):
+        return "refused", "q_proj/k_proj weights are quantized (bitsandbytes): QK-clip needs full-precision weights"
     if _sharded(q_base.weight, expected):
         return "refused", "q_proj/k_proj weights are sharded (ZeRO-3 / FSDP): QK-clip needs whole weights per rank"
     edited = [

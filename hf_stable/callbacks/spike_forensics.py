@@ -11,6 +11,10 @@ on them again - on every rank, across resumes.
   its logits and kept on device; every `screen_every` steps (and before a checkpoint, so a resume sees the same
   decisions) they are gathered once and judged against the running distribution of healthy per-sample losses.
   Outliers go through the same quarantine; the rest feed the distribution. No host sync on the other steps.
+* **Trajectories** (with screening, `hf_stable.forensics.trajectory`): the same forwards' per-sample loss and
+  margin go into a per-record history (gathered with the screening's decisions, identical on every rank, in the
+  checkpoints); at the end of each epoch the records whose loss stays high and whose answer stays confidently
+  wrong while the population's falls are named (``trajectory``) and, with ``auto``, left out of later epochs.
 * **Quarantine** (`hf_stable.forensics.quarantine`): ``quarantine.jsonl`` in the output dir and a
   ``samples_quarantined`` event; with ``auto`` the train sampler (`StableTrainer._get_train_sampler`) skips the
   records from the sampler position they were named at. The quarantine is in the callback state (checkpoints).
@@ -41,8 +45,9 @@ from hf_stable.forensics.attribution import (
     snapshot_sample_losses,
 )
 from hf_stable.forensics.config import ForensicsConfig
+from hf_stable.forensics.epoch_verdicts import EpochVerdicts
 from hf_stable.forensics.quarantine import Entry, Quarantine
-from hf_stable.forensics.sample_loss import per_sample_loss
+from hf_stable.forensics.sample_loss import per_sample_nll_stats
 from hf_stable.forensics.screening import select_suspects, suspect_prompt_gains
 
 SAMPLE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")  # kept per forward for suspects' re-runs
@@ -64,7 +69,7 @@ def _where(records, record_id: int) -> tuple[str, str, str]:
     return (info.where, info.hash, info.preview) if info is not None else (f"record {record_id}", "", "")
 
 
-class SpikeForensics(StepTapUser, StabilityCallback):
+class SpikeForensics(EpochVerdicts, StepTapUser, StabilityCallback):
     """Names the records behind bad steps and quarantines them; events `step_forensics`, `samples_quarantined`.
 
     Args:
@@ -91,6 +96,7 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, dict]] = []
         self.screen_seconds = 0.0  # screening's own work (its step-time cost), logged as perf/forensics_screen_s
         self.forensics_seconds = 0.0  # the bad steps' attribution, logged as perf/forensics_s
+        self._init_trajectory(cfg, records)
 
     def attach(self, callbacks) -> SpikeForensics:
         """Listen to the skip guard among `callbacks` (and read the rollback guard's snapshot); returns self."""
@@ -110,11 +116,13 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         return {
             **self.quarantine.state_dict(),
             "reference": list(self._reference),
+            **self._trajectory_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.quarantine.load_state_dict(state)
         self._reference = deque((float(x) for x in state.get("reference", [])), maxlen=self.cfg.window)
+        self._load_trajectory_state(state)
 
     # --- Trainer hooks -------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -146,12 +154,14 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             if step % self.cfg.screen_every == 0 or control.should_save or control.should_training_stop:
                 started = time.perf_counter()
                 self._flush_screen(step)
+                self._flush_trajectory()
                 self.screen_seconds += time.perf_counter() - started
         if self.enabled and (self.screen_seconds or self.forensics_seconds):
             self.record(
                 {
                     "perf/forensics_screen_s": round(self.screen_seconds, 4),
                     "perf/forensics_s": round(self.forensics_seconds, 4),
+                    **({"perf/forensics_trajectory_s": round(self.trajectory_seconds, 4)} if self.trajectory else {}),
                 }
             )
         super().on_step_end(args, state, control, **kwargs)
@@ -243,7 +253,10 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             return
         started = time.perf_counter()
         with torch.no_grad():
-            loss, count = per_sample_loss(logits.detach(), labels, kwargs.get("position_ids"), len(record_ids))
+            loss, count, peak = per_sample_nll_stats(
+                logits.detach(), labels, kwargs.get("position_ids"), len(record_ids)
+            )
+            self._observe_trajectory(kwargs, logits.detach(), record_ids, loss, count, peak)
         kept = {k: v for k, v in kwargs.items() if k in SAMPLE_KEYS and isinstance(v, torch.Tensor)}
         self._buffer.append((self._step, record_ids.to(loss.device), loss, count, kept))
         self.screen_seconds += time.perf_counter() - started  # on an accelerator: launch time only (no sync here)
@@ -320,6 +333,8 @@ class SpikeForensics(StepTapUser, StabilityCallback):
             return []  # (FSDP2 / ZeRO-3: each suspect is re-run by the rank holding it - unequal forwards)
         empty = getattr(self.records, "empty_prompt", None) or []
         gains = suspect_prompt_gains(self._model, self._tap, suspects, located, empty, self._args)
+        if self.trajectory is not None:  # agreed: the suspects and their gains (summed over ranks)
+            self.trajectory.note_gains([r.record_id for _, r in suspects], gains)
         return [
             (s, Culprit(r, "prompt_mismatch", prompt_gain=g))
             for (s, r), g in zip(suspects, gains, strict=True)
@@ -327,15 +342,17 @@ class SpikeForensics(StepTapUser, StabilityCallback):
         ]
 
     # --- the quarantine ------------------------------------------------------------------------------------
-    def _quarantine(self, step: int, culprits: list[Culprit], median: float, step_reasons: list[str]) -> None:
+    def _quarantine(self, step: int, culprits: list[Culprit], median: float, step_reasons: list[str], at=None) -> None:
+        """`at`: (epoch, position) the entries apply from; default the sampler's (agreed over ranks)."""
         if not culprits:
             return
-        position = 0.0
-        if self.sampler is not None:
-            position = float(self.sampler.position)
-        pos = torch.tensor([position], dtype=torch.float64)
-        position = int(all_reduce_tensor(pos, "max").item())  # entered by every rank: the culprit list is agreed
-        epoch = self.sampler.epoch if self.sampler is not None else 0
+        if at is None:
+            position = float(self.sampler.position) if self.sampler is not None else 0.0
+            pos = torch.tensor([position], dtype=torch.float64)
+            position = int(all_reduce_tensor(pos, "max").item())  # entered by every rank: the culprit list is agreed
+            epoch = self.sampler.epoch if self.sampler is not None else 0
+        else:
+            epoch, position = at
         names = []
         for c in culprits:
             where, digest, preview = _where(self.records, c.row.record_id)

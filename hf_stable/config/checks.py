@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from hf_stable.config.quantization import quantization_problems
 from hf_stable.errors import ConfigError
 
 # TrainingArguments keys that count things and must be >= 1 (0 or less fails late or trains nothing)
@@ -96,7 +97,7 @@ def optimizer_problems(cfg, training: dict, defaults: dict) -> list[str]:
     try:
         hp = resolve_hyperparameters(SimpleNamespace(**values))
         check_config(cfg.optim, hp)
-        if cfg.optim.fp16_eps_guard == "error" and cfg.optim.name == "adamw":
+        if cfg.optim.fp16_eps_guard == "error" and cfg.optim.name in ("adamw", "adamw_8bit", "paged_adamw_8bit"):
             guarded_eps(cfg.optim, hp)
     except ConfigError as e:
         return list(e.problems)
@@ -115,6 +116,7 @@ def config_problems(cfg) -> list[str]:
     problems += reporting_problems(training.get("report_to", defaults.get("report_to")))
     problems += guard_problems(cfg, _number(training.get("max_steps", defaults.get("max_steps"))))
     problems += optimizer_problems(cfg, training, {k: defaults.get(k) for k in _OPTIMIZER_KEYS})
+    problems += quantization_problems(cfg)
     return problems
 
 

@@ -59,7 +59,8 @@ class DataConfig:
         metadata={
             "help": "Screen every step's per-sample losses for robust outliers (on device, decisions batched), "
             "re-run suspects with and without their prompt (prompt_mismatch), quarantine degenerate answers before "
-            "the first step, all through the same quarantine. For a base that follows prompts."
+            "the first step, and keep every record's loss trajectory across epochs (named at an epoch's end when it stands "
+            "out: mislabeled answers), all through the same quarantine. For a base that follows prompts."
         },
     )
     audit: bool = field(default=True, metadata={"help": "Run the data audit before training (saved in output)."})

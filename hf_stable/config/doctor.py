@@ -46,6 +46,13 @@ class DoctorConfig:
         default_factory=lambda: list(FP16_OVERFLOW_FAMILIES),
         metadata=_h("config.model_type values known to overflow in fp16 (recommend bf16)."),
     )
+    memory_budget_gib: float | None = field(
+        default=None,
+        metadata=_h(
+            "Memory of the device the recipe is for (GiB), against which the memory estimate is judged (times "
+            "memory_headroom). null = GPU 0's memory, or the host's available memory without a GPU."
+        ),
+    )
     reference_batch: int | None = field(
         default=None,
         metadata=_h(
@@ -56,6 +63,8 @@ class DoctorConfig:
 
     def validate(self) -> list[str]:
         problems = []
+        if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
+            problems.append(f"memory_budget_gib: got {self.memory_budget_gib}, must be > 0 (or null)")
         if self.dry_run_steps < 1:
             problems.append(f"dry_run_steps: got {self.dry_run_steps}, must be >= 1")
         for name in ("grad_mean_min", "grad_cv_max", "memory_linear_tolerance"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hf_stable.config.quantization import QuantizationConfig
+
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -70,6 +72,10 @@ class ModelConfig:
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Passed to from_pretrained."})
     revision: str | None = field(default=None, metadata={"help": "Hub revision (branch, tag or commit)."})
+    quantization: QuantizationConfig = field(
+        default_factory=QuantizationConfig,
+        metadata={"help": "Load the frozen base in 4-bit / 8-bit through bitsandbytes (QLoRA)."},
+    )
 
     @property
     def is_embedded(self) -> bool:

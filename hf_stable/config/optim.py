@@ -20,7 +20,14 @@ class OptimConfig:
         []
     """
 
-    name: Literal["adamw", "lion", "sgd"] = field(default="adamw", metadata={"help": "Optimizer."})
+    name: Literal["adamw", "lion", "sgd", "adamw_8bit", "paged_adamw_8bit", "lion_8bit"] = field(
+        default="adamw",
+        metadata={
+            "help": "Optimizer. The *_8bit ones are bitsandbytes' (AdamW8bit, PagedAdamW8bit, Lion8bit: state in "
+            "8-bit blocks; paged state moves to host memory under GPU memory pressure); they need the "
+            "bitsandbytes extra."
+        },
+    )
     llrd_decay: float = field(
         default=0.9,
         metadata={
@@ -68,6 +75,13 @@ class OptimConfig:
         default_factory=lambda: [0.9, 0.99],
         metadata={"help": "Lion (beta1, beta2). Lion usually wants a 3-10x smaller LR than AdamW."},
     )
+    bnb_min_8bit_size: int = field(
+        default=4096,
+        metadata={
+            "help": "*_8bit optimizers: tensors with fewer elements keep 32-bit state (bitsandbytes' "
+            "min_8bit_size; 8-bit blocks do not pay off on small tensors)."
+        },
+    )
     fp16_eps_min: float = field(
         default=1e-6,
         metadata={"help": "Smallest AdamW eps allowed under fp16 (1e-8 is below fp16 resolution)."},
@@ -92,6 +106,8 @@ class OptimConfig:
                 problems.append(f"{key}: got {value}, must be > 0")
         if self.lora_weight_decay is not None and not self.lora_weight_decay >= 0:
             problems.append(f"lora_weight_decay: got {self.lora_weight_decay}, must be >= 0 (or null)")
+        if self.bnb_min_8bit_size < 0:
+            problems.append(f"bnb_min_8bit_size: got {self.bnb_min_8bit_size}, must be >= 0")
         if not 0.0 <= self.sgd_momentum < 1.0:
             problems.append(f"sgd_momentum: got {self.sgd_momentum}, must be in [0, 1)")
         if self.sgd_nesterov and self.name == "sgd" and self.sgd_momentum == 0:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hf_stable.core.snapshot import optimizer_params
+from hf_stable.optim.bnb import STATE_TENSORS as BNB_STATE_TENSORS
+from hf_stable.optim.bnb import predicted_state_bytes, state_bytes
 from hf_stable.optim.phases import unwrap_optimizer
 
 GIB = 1024**3
@@ -106,12 +108,16 @@ def snapshot_size(optimizer) -> SnapshotSize:
     if held:
         state = sum(v.numel() * v.element_size() for s in held for v in s.values() if hasattr(v, "element_size"))
         return SnapshotSize(param_bytes, state, param_bytes, True)
-    return SnapshotSize(param_bytes, _state_tensors(opt) * param_bytes, param_bytes, False)
+    predicted = predicted_state_bytes(opt)  # bitsandbytes' 8-bit state: ~1 byte per value, not the param's dtype
+    state = predicted if predicted is not None else _state_tensors(opt) * param_bytes
+    return SnapshotSize(param_bytes, state, param_bytes, False)
 
 
 def estimate_size(trainable_numel: int, dtype_bytes: int, optimizer_name: str) -> SnapshotSize:
     """The sizes from a parameter count (the doctor, before any optimizer exists)."""
     params = trainable_numel * dtype_bytes
+    if optimizer_name in BNB_STATE_TENSORS:
+        return SnapshotSize(params, state_bytes(trainable_numel, BNB_STATE_TENSORS[optimizer_name], 0), params, False)
     return SnapshotSize(params, _PHASE_TENSORS.get(optimizer_name, 2) * params, params, False)
 
 

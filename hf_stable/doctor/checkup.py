@@ -15,7 +15,8 @@ from hf_stable.doctor.dry_run import dry_run as run_dry_run
 from hf_stable.doctor.environment import check_environment
 from hf_stable.doctor.findings import DoctorReport, Finding
 from hf_stable.doctor.hazards import check_hazards
-from hf_stable.doctor.probes import meta_model_facts, model_facts
+from hf_stable.doctor.memory_estimate import memory_findings
+from hf_stable.doctor.probes import meta_model, meta_model_facts, model_facts
 from hf_stable.doctor.report import render_text, save_report
 from hf_stable.doctor.settings import doctor_settings, resolve_settings
 from hf_stable.errors import HfStableError
@@ -116,9 +117,10 @@ def run_doctor(
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, base)
         except Exception as e:
             report.add(_crash("hazards.model", "the base model / tokenizer cannot be loaded", e))
-    facts = None
+    facts = meta = None
     try:
-        facts = model_facts(model) if model is not None else meta_model_facts(cfg, base) if base else None
+        meta = meta_model(cfg, base) if model is None and base else None
+        facts = model_facts(model) if model is not None else meta_model_facts(cfg, base, meta) if base else None
     except Exception as e:
         report.add(_crash("hazards.model", "the model config cannot be read", e))
     if data is None and tokenizer is not None:
@@ -158,6 +160,10 @@ def run_doctor(
         )
     except Exception as e:
         report.add(_crash("hazards.crash", "a config check failed", e))
+    try:
+        report.add(memory_findings(cfg, s, doctor, model=model, meta_model=meta))
+    except Exception as e:
+        report.add(_crash("hazards.memory_estimate", "the memory estimate failed", e))
 
     if dry_run and doctor.dry_run:
         _dry_run(report, cfg, s, doctor, base, model, data)
@@ -194,7 +200,8 @@ def _dry_run(report: DoctorReport, cfg, s, doctor: DoctorConfig, base, model, da
             from hf_stable.modeling import apply_lora, load_model
 
             set_seed(int(s.get("seed", 42)))  # the LoRA init is random: seed it so the report is reproducible
-            model = apply_lora(load_model(cfg, base), cfg.lora, gradient_checkpointing=s.gradient_checkpointing)
+            model = load_model(cfg, base)
+            model = apply_lora(model, cfg.lora, s.gradient_checkpointing, quantization=cfg.model.quantization)
         facts, findings = run_dry_run(model, data, cfg, s, doctor)
     except Exception as e:
         report.add(_crash("dry_run.crash", "the dry run failed", e))

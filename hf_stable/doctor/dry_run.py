@@ -165,8 +165,13 @@ def dry_run(model, data, cfg, s: TrainingSettings, doctor: DoctorConfig) -> tupl
 def _run(model, data, cfg, s, doctor, findings) -> tuple[dict, list[Finding]]:
     from torch.utils.data import DataLoader
 
+    from hf_stable.modeling import is_quantized
+
     device = _target_device(model, s)
-    model.to(device)
+    if is_quantized(model):  # bitsandbytes placed it while loading (8-bit models refuse .to)
+        device = next(model.parameters()).device
+    else:
+        model.to(device)
     model.train()
     if s.gradient_checkpointing and not is_checkpointing(model):  # as the Trainer will do
         kwargs = s.checkpointing_kwargs or {"use_reentrant": False}

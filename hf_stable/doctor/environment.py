@@ -14,7 +14,12 @@ from pathlib import Path
 from hf_stable.config.doctor import DoctorConfig
 from hf_stable.doctor.findings import Finding
 from hf_stable.doctor.settings import TrainingSettings
-from hf_stable.import_utils import is_deepspeed_available, is_flash_attn_available, is_nvml_available
+from hf_stable.import_utils import (
+    is_bitsandbytes_available,
+    is_deepspeed_available,
+    is_flash_attn_available,
+    is_nvml_available,
+)
 
 PACKAGES = ("hf-stable", "torch", "transformers", "accelerate", "peft", "datasets", "trl", "tokenizers")
 GIB = 1024**3
@@ -323,6 +328,7 @@ def check_environment(cfg, settings: TrainingSettings, doctor: DoctorConfig) -> 
         "flash_attn": is_flash_attn_available(),
         "deepspeed": is_deepspeed_available(),
         "pynvml": is_nvml_available(),
+        "bitsandbytes": is_bitsandbytes_available(),
     }
     facts["extras"] = extras
     findings.append(

@@ -32,8 +32,18 @@ class ModelFacts:
     trainable_bytes: int = 0
 
 
-# Layer classes peft's LoRA can wrap (transformers' GPT-2 style Conv1D included).
-LORA_WRAPPABLE = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "NonDynamicallyQuantizableLinear")
+# Layer classes peft's LoRA can wrap (transformers' GPT-2 style Conv1D and bitsandbytes' quantized layers included).
+LORA_WRAPPABLE = (
+    "Linear",
+    "Embedding",
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "Conv1D",
+    "NonDynamicallyQuantizableLinear",
+    "Linear4bit",
+    "Linear8bitLt",
+)
 
 
 def model_facts(model) -> ModelFacts:
@@ -63,15 +73,21 @@ def _lora_numel(model, lora) -> int:
     )
 
 
-def meta_model_facts(cfg, base: str) -> ModelFacts:
-    """Facts of `base` from its config alone: the model is instantiated on the meta device (no weights)."""
+def meta_model(cfg, base: str):
+    """`base` instantiated on the meta device from its config alone (no weights read or allocated)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     remote = cfg.model.trust_remote_code
     config = AutoConfig.from_pretrained(base, trust_remote_code=remote, revision=cfg.model.revision)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+
+
+def meta_model_facts(cfg, base: str, model=None) -> ModelFacts:
+    """Facts of `base` from its config alone: the model is instantiated on the meta device (no weights)."""
+    model = model if model is not None else meta_model(cfg, base)
+    config = model.config
     facts = model_facts(model)
     if cfg.lora.enabled:
         facts.trainable_numel = _lora_numel(model, cfg.lora)

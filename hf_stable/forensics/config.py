@@ -52,6 +52,31 @@ class ForensicsConfig:
         },
     )
     max_suspects: int = field(default=8, metadata={"help": "Suspects re-run per screening decision (highest z)."})
+    trajectory: bool = field(
+        default=True,
+        metadata={
+            "help": "With screening: keep every record's loss and margin by sighting and, at the end of each "
+            "epoch, name the records whose trajectory stands out (hf_stable.forensics.trajectory)."
+        },
+    )
+    trajectory_min_sightings: int = field(
+        default=2, metadata={"help": "Trajectory rule: only records seen at least this many times (epochs)..."}
+    )
+    trajectory_zscore: float = field(
+        default=4.25,
+        metadata={"help": "... named when their score (mean robust z of the trajectory features) is above this."},
+    )
+    trajectory_gain_weight: float = field(
+        default=8.0,
+        metadata={"help": "... plus this x ln(the prompt gain screening measured, when above 1) in the score."},
+    )
+    trajectory_min_population: int = field(
+        default=64, metadata={"help": "Trajectory rule: no verdict with fewer records to compare against."}
+    )
+    trajectory_sightings: int = field(default=4, metadata={"help": "Sightings kept per record (the latest)."})
+    trajectory_max_records: int = field(
+        default=1_000_000, metadata={"help": "Record ids tracked by the trajectory table (its memory bound)."}
+    )
 
     @classmethod
     def from_data(cls, data) -> ForensicsConfig:

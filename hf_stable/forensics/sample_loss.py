@@ -48,6 +48,19 @@ def per_sample_loss(
     A sample without a supervised token gets NaN and count 0; a sample whose logits are non-finite gets a
     non-finite loss (kept: that is the evidence).
     """
+    loss, count, _ = per_sample_nll_stats(logits, labels, position_ids, n_segments)
+    return loss, count
+
+
+def per_sample_nll_stats(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    n_segments: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token-mean NLL, supervised-token count, the largest token NLL) per sample, as `per_sample_loss` (one
+    cross-entropy pass). The peak is the one token the model least expected: the first token of an answer that
+    belongs to another question, say, where a hard answer of the right kind spreads its loss over many tokens."""
     b, t, v = logits.shape
     seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
     target = labels[:, 1:].reshape(-1)
@@ -58,4 +71,32 @@ def per_sample_loss(
         n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0
     sums = torch.zeros(n_segments, dtype=torch.float32, device=logits.device).index_add_(0, seg, nll)
     counts = torch.zeros(n_segments, dtype=torch.float32, device=logits.device).index_add_(0, seg, mask.float())
-    return sums / counts, counts
+    peak = torch.zeros(n_segments, dtype=torch.float32, device=logits.device)
+    peak = peak.scatter_reduce(0, seg, nll, reduce="amax", include_self=True)
+    return sums / counts, counts, peak
+
+
+def per_sample_margin(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    n_segments: int | None = None,
+) -> torch.Tensor:
+    """Token-mean margin per sample, ``[n_segments]`` float32: the label's logit minus the largest other logit,
+    averaged over the sample's supervised tokens (the margin of Pleiss et al. 2020, arXiv 2001.10528, per token).
+    Negative where the model prefers another token; a confidently wrong answer is far below zero, an uncertain one
+    near it. Computed in the logits' own dtype (no float copy of ``[B, T, V]``); NaN without a supervised token."""
+    b, t, v = logits.shape
+    seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
+    target = labels[:, 1:].reshape(-1)
+    mask = target.ne(IGNORE_INDEX)
+    flat = logits[:, :-1].reshape(-1, v)
+    top = flat.topk(2, dim=-1)
+    gold = flat.gather(1, target.clamp_min(0)[:, None])[:, 0]
+    other = torch.where(top.indices[:, 0] == target, top.values[:, 1], top.values[:, 0])
+    margin = torch.where(mask, (gold - other).float(), torch.zeros_like(gold, dtype=torch.float32))
+    if n_segments is None:
+        n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0
+    sums = torch.zeros(n_segments, dtype=torch.float32, device=logits.device).index_add_(0, seg, margin)
+    counts = torch.zeros(n_segments, dtype=torch.float32, device=logits.device).index_add_(0, seg, mask.float())
+    return sums / counts

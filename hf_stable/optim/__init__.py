@@ -1,4 +1,11 @@
-from hf_stable.optim.factory import OptimizerFactory, build_optimizer, guarded_eps, trainer_optimizer_factory
+from hf_stable.optim.factory import (
+    OptimizerFactory,
+    build_optimizer,
+    engine_builds_optimizer,
+    guarded_eps,
+    trainer_optimizer_arguments,
+    trainer_optimizer_factory,
+)
 from hf_stable.optim.groups import param_groups, resolve_hyperparameters
 from hf_stable.optim.phases import PhasedOptimizer, make_optimizer, unwrap_optimizer, wrap_for_phases
 from hf_stable.optim.roles import ROLES, Role, classify, group_parameters, named_parameters_once, num_decoder_layers
@@ -12,6 +19,7 @@ __all__ = [
     "Role",
     "build_optimizer",
     "classify",
+    "engine_builds_optimizer",
     "format_group_table",
     "group_parameters",
     "group_table",
@@ -23,6 +31,7 @@ __all__ = [
     "rescale_lr",
     "resolve_hyperparameters",
     "save_group_table",
+    "trainer_optimizer_arguments",
     "trainer_optimizer_factory",
     "unwrap_optimizer",
     "wrap_for_phases",

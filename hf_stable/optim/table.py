@@ -20,10 +20,12 @@ def group_table(optimizer: torch.optim.Optimizer) -> list[dict]:
     `lr` is the group's configured LR (`initial_lr` once a scheduler has started), not the current scheduled value.
     """
     rows = []
+    runs = optimizer_class(optimizer)
     for i, group in enumerate(optimizer.param_groups):
         rows.append(
             {
                 "name": group.get("name", f"group_{i}"),
+                "optimizer": runs,
                 "tensors": len(group["params"]),
                 "parameters": sum(p.numel() for p in group["params"]),
                 "lr": float(group.get("initial_lr", group["lr"])),
@@ -33,8 +35,21 @@ def group_table(optimizer: torch.optim.Optimizer) -> list[dict]:
     return rows
 
 
+def optimizer_class(optimizer) -> str:
+    """The class that really steps, with its package: "torch.optim.AdamW", "bitsandbytes.optim.PagedAdamW8bit";
+    a phased optimizer names its phases' classes in order."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    names = getattr(inner, "names", None)
+    if isinstance(names, list) and hasattr(inner, "current"):  # a PhasedOptimizer: phase 0 runs first
+        return f"{optimizer_class(inner.current)} (phases: {' -> '.join(names)})"
+    cls = type(inner)
+    module = cls.__module__.split(".")
+    package = ".".join(module[:2]) if module[0] in ("torch", "bitsandbytes") else module[0]
+    return f"{package}.{cls.__name__}"
+
+
 def format_group_table(rows: list[dict]) -> str:
-    """An aligned text table of `group_table` rows with a total line."""
+    """An aligned text table of `group_table` rows with a total line (and, first, the optimizer class)."""
     cells = [list(_COLUMNS)]
     for r in rows:
         lr, wd = f"{r['lr']:.3g}", f"{r['weight_decay']:g}"
@@ -50,7 +65,8 @@ def format_group_table(rows: list[dict]) -> str:
         lines.append(f"{left}  {rest}".rstrip())
         if n == 0 or n == len(cells) - 2:
             lines.append("-" * (sum(widths) + 2 * (len(widths) - 1)))
-    return "\n".join(lines)
+    runs = rows[0].get("optimizer") if rows else None
+    return "\n".join([f"optimizer: {runs}", *lines] if runs else lines)
 
 
 def save_group_table(optimizer: torch.optim.Optimizer, path: str | Path) -> list[dict]:

@@ -59,6 +59,7 @@ def write_model_card(
     optimizer_section: str = "",
     stability_section: str = "",
     doctor_section: str = "",
+    quantization_section: str = "",
     tags: list[str] | None = None,
     stop_tokens: list[str] | None = None,
 ) -> Path:
@@ -75,7 +76,14 @@ def write_model_card(
         base_model=base_model,
         library_name="peft",
         pipeline_tag="text-generation",
-        tags=["hf_stable", "lora", "peft", "text-generation", *(tags or [])],
+        tags=[
+            "hf_stable",
+            "lora",
+            "peft",
+            "text-generation",
+            *(["qlora"] if quantization_section else []),
+            *(tags or []),
+        ],
         datasets=datasets,
     )
     card = ModelCard.from_template(
@@ -99,6 +107,7 @@ def write_model_card(
         optimizer_section=optimizer_section,
         stability_section=stability_section or "No stability events were recorded.",
         doctor_section=doctor_section,
+        quantization_section=quantization_section,
         stop_tokens=", ".join(f"`{t}`" for t in stop_tokens or []),
         config_yaml=yaml.safe_dump(config, sort_keys=False, allow_unicode=True).strip(),
         versions=_versions(),

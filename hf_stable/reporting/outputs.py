@@ -14,6 +14,24 @@ def optimizer_markdown(table: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def quantization_markdown(cfg) -> str:
+    """How the base was loaded when it was quantized (QLoRA), and how to merge the adapter: into the 16-bit base."""
+    q = cfg.model.quantization
+    if not q.enabled:
+        return ""
+    what = (
+        f"4-bit {q.quant_type.upper()} ({'with' if q.double_quant else 'without'} double quantization, "
+        f"compute dtype {q.compute_dtype})"
+        if q.load_in == "4bit"
+        else "8-bit (LLM.int8)"
+    )
+    return (
+        f"The base was loaded in {what} through bitsandbytes (QLoRA); only the adapter was trained and saved. "
+        "To merge it, load the base unquantized, in bfloat16, not the quantized one (merging into 4-bit weights "
+        "rounds the update away):"
+    )
+
+
 def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=None, optimizer_table=None) -> None:
     """Write the generation config, the loss/LR plot, the stability report and the model card into the output dir."""
     from hf_stable.reporting.generation_config import save_generation_config
@@ -45,5 +63,6 @@ def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=Non
         optimizer_section=optimizer_markdown(optimizer_table or []),
         stability_section=render_report(output.path),
         doctor_section=doctor_md.read_text(encoding="utf-8") if doctor_md.is_file() else "",
+        quantization_section=quantization_markdown(cfg),
         stop_tokens=tokenizer.convert_ids_to_tokens(stops) if tokenizer is not None and stops else None,
     )

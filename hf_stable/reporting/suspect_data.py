@@ -23,7 +23,22 @@ def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _trajectory(ev: dict) -> str:
+    """A trajectory verdict's evidence: losses by sighting against the step medians, the score and its bar."""
+    arrow = lambda xs: " → ".join(f"{_num(x):.3g}" for x in xs)
+    parts = [f"losses by sighting {arrow(ev['losses'])} (step medians {arrow(ev.get('step_median_losses', []))})"]
+    if ev.get("margins"):
+        parts.append(f"margins {arrow(ev['margins'])}")
+    gain = _num(ev.get("prompt_gain"))
+    if not math.isnan(gain):
+        parts.append(f"prompt gain {gain:.3g}")
+    parts.append(f"score {_num(ev.get('score')):.3g} > {_num(ev.get('threshold')):.3g}")
+    return ", ".join(parts)
+
+
 def _evidence(ev: dict) -> str:
+    if isinstance(ev.get("losses"), list):
+        return _trajectory(ev)
     parts = [] if math.isnan(_num(ev.get("loss"))) else [f"loss {_num(ev.get('loss')):.4g}"]
     if math.isfinite(_num(ev.get("step_median"))):
         parts.append(f"step median {_num(ev['step_median']):.3g}")

@@ -1,7 +1,8 @@
 """One 2-rank run (gloo, CPU) of `StableTrainer` with hf_stable's default monitors and guards under one engine:
 DDP, DeepSpeed ZeRO-1/2/3 or FSDP2, on the same data and the same initial weights.
 
-Launched by tests/test_engines.py as `torchrun --nproc_per_node 2 engines_run.py ENGINE OUT`. Each rank writes
+Launched by tests/test_engines.py as `torchrun --nproc_per_node 2 engines_run.py ENGINE OUT [stock]` (`stock`: the
+stock `transformers.Trainer` with the same callbacks instead of `StableTrainer`). Each rank writes
 OUT/rank<i>.json (per-step global and per-group gradient norms, skipped steps, events, whether this rank's weights
 and optimizer state were unchanged over each skipped step, whether the rollback restored the snapshot bitwise) and
 OUT/rank<i>.pt (this rank's part of the final trainable weights).
@@ -22,9 +23,11 @@ import os
 import sys
 from pathlib import Path
 
+import fsdp_cpu
 import torch
+from engines import engine_args, full_weights
 from guards_common import LossFault, tiny_lora_llama, token_data, training_args
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from hf_stable.callbacks import GradientMonitor
 from hf_stable.callbacks.guards import RollbackGuard, SkipGuard, build_guards
@@ -37,34 +40,6 @@ from hf_stable.trainer import StableTrainer
 
 STEPS = 14
 DAMAGE_AFTER = 9
-
-
-def deepspeed_config(stage: int) -> dict:
-    return {
-        "zero_optimization": {"stage": stage, "overlap_comm": False, "contiguous_gradients": True},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": "auto",
-        "gradient_accumulation_steps": "auto",
-        "train_micro_batch_size_per_gpu": "auto",
-        "train_batch_size": "auto",
-        "steps_per_print": 10**9,
-    }
-
-
-def engine_args(engine: str) -> dict:
-    if engine.startswith("zero"):
-        return {"deepspeed": deepspeed_config(int(engine[-1]))}
-    if engine == "fsdp2":
-        return {
-            "fsdp": "full_shard",
-            "fsdp_config": {
-                "fsdp_version": 2,
-                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                "reshard_after_forward": True,
-            },
-        }
-    return {}
 
 
 def local_state(model, optimizer) -> dict:
@@ -95,20 +70,6 @@ def damage_targets(engine, param) -> list[torch.Tensor]:
     elif engine.name.startswith("deepspeed") and param._hp_mapping is not None:
         out.append(param._hp_mapping.get_hp_fragment())
     return out
-
-
-def full_weights(model) -> list[torch.Tensor]:
-    """Every trainable weight in full (gathered from the ranks' parts under ZeRO-3 and FSDP2)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    name = StepEngine.of(model).name
-    if name == "fsdp2":
-        return [p.full_tensor().detach().clone() for p in params]
-    if name == "deepspeed_zero3":
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params):
-            return [p.detach().clone() for p in params]
-    return [p.detach().clone() for p in params]
 
 
 def same(a, b) -> bool:
@@ -149,11 +110,9 @@ class Probe(TrainerCallback):
         self.after[step] = local_state(self.model, optimizer)
 
 
-def main(engine: str, out: str) -> None:
+def main(engine: str, out: str, trainer_cls=StableTrainer) -> None:
     faulthandler.dump_traceback_later(int(os.environ.get("ENGINES_TIMEOUT", "200")), exit=True)
     if engine == "fsdp2":
-        import fsdp_cpu
-
         fsdp_cpu.enable()
     Path(out).mkdir(parents=True, exist_ok=True)
     model = tiny_lora_llama()  # before TrainingArguments: ZeRO-3's zero.Init would partition it at construction
@@ -164,7 +123,7 @@ def main(engine: str, out: str) -> None:
     guards = build_guards(GuardsConfig())
     monitor = GradientMonitor(every_n_steps=1)
     probe = Probe(model, monitor)
-    trainer = StableTrainer(model=model, args=args, train_dataset=token_data(64), callbacks=[monitor, *guards, probe])
+    trainer = trainer_cls(model=model, args=args, train_dataset=token_data(64), callbacks=[monitor, *guards, probe])
     trainer.train()
     skip = next(g for g in guards if isinstance(g, SkipGuard))
     rollback = next(g for g in guards if isinstance(g, RollbackGuard))
@@ -194,4 +153,4 @@ def main(engine: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], Trainer if sys.argv[3:] == ["stock"] else StableTrainer)

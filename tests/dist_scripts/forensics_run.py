@@ -45,6 +45,12 @@ SCREEN_ALL = {
     "prompt_gain_min": 0.0,
 }
 
+# the trajectory rule on this 32-record set (population floor lowered to it); with MILD the poisoned record's loss is
+# only mildly raised (logits x3 for the loss, not for the gradient): never a culprit of its step, named by its
+# trajectory at the end of epoch 2 (issue 25)
+TRAJECTORY = {"screen": True, "screen_every": 4, "trajectory_min_population": 16}
+MILD = {"factor": 3.0, "grad_free": True}
+
 
 def rows(poison_index: int) -> list[dict]:
     g = torch.Generator().manual_seed(5)
@@ -143,6 +149,30 @@ def build(
     return trainer, skip, forensics
 
 
+def run_script(out, *args, check=True):
+    """This script in a subprocess (one process), as the tests launch it; fails on a non-zero exit with `check`."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__)), str(out), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def read_result(out, r=0):
+    """(result_rank<r>.json, lora_rank<r>.pt) of a run of this script."""
+    return json.loads((Path(out) / f"result_rank{r}.json").read_text()), torch.load(Path(out) / f"lora_rank{r}.pt")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -153,7 +183,16 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--packing", action="store_true")
     p.add_argument("--screen", action="store_true", help="screening: every sample a suspect (SCREEN_ALL)")
+    p.add_argument("--engine", default="ddp", help="ddp, zero1/2/3 or fsdp2 (tests/dist_scripts/engines.py)")
+    p.add_argument("--trajectory", action="store_true", help="the mild poison, screening + trajectories")
     a = p.parse_args()
+    engine_kw = {}
+    if a.engine != "ddp":
+        import fsdp_cpu
+        from engines import engine_args
+
+        fsdp_cpu.enable()
+        engine_kw = engine_args(a.engine)
     out = Path(a.out)
     callbacks = [KillAfterSave(a.kill_at)] if a.kill_at else []
     trainer, skip, forensics = build(
@@ -162,9 +201,11 @@ def main() -> None:
         steps=a.steps,
         poison_index=a.poison_index,
         callbacks=callbacks,
-        forensics_kw=SCREEN_ALL if a.screen else None,
-        save_strategy="steps",
-        save_steps=a.save_steps,
+        forensics_kw=TRAJECTORY if a.trajectory else SCREEN_ALL if a.screen else None,
+        **(MILD if a.trajectory else {}),
+        save_strategy="steps" if a.save_steps else "no",
+        save_steps=a.save_steps or 500,
+        **engine_kw,
     )
     resume = None
     if a.resume:
@@ -173,7 +214,13 @@ def main() -> None:
         resume = get_last_checkpoint(str(out))
     trainer.train(resume_from_checkpoint=resume)
     r = int(os.environ.get("RANK", "0"))
-    lora = {n: t.detach().clone() for n, t in trainer.model.named_parameters() if "lora_" in n}
+    if a.engine == "ddp":
+        lora = {n: t.detach().clone() for n, t in trainer.model.named_parameters() if "lora_" in n}
+    else:  # the full tensors, gathered from the ranks' parts
+        from engines import full_weights
+
+        names = [n for n, t in trainer.model.named_parameters() if t.requires_grad]
+        lora = dict(zip(names, full_weights(trainer.model), strict=True))
     torch.save(lora, out / f"lora_rank{r}.pt")
     (out / f"result_rank{r}.json").write_text(
         json.dumps(
@@ -182,6 +229,7 @@ def main() -> None:
                 "skipped": skip.skipped_steps,
                 "resumed_from": resume,
                 "global_step": trainer.state.global_step,
+                "trajectory": forensics.trajectory.state_dict() if forensics.trajectory is not None else None,
             }
         )
     )

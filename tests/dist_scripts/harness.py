@@ -2,7 +2,8 @@
 
 Every run uses the same tiny embedded Llama base (built once per test session into a shared temp dir),
 a small slice of the embedded dataset, `OMP_NUM_THREADS=1` (so a baseline and a resumed run do the same
-float operations in the same order and can be compared bit for bit) and no evaluation before training.
+float operations in the same order and can be compared bit for bit) and no evaluation before training, except the
+sharded-engine runs (`engine_runs`), which keep the default recipe's evaluation before and after training.
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ def tiny_base_args(cache_dir: Path, pretrain_steps: int = 0) -> list[str]:
     return [*args, "--model.embedded.cache_dir", str(cache_dir)]
 
 
-def recipe_args(out: Path, *, steps: int = 8, n_train: int = 64, save_steps: int | None = None) -> list[str]:
-    """scripts/finetune.py arguments for a tiny run writing into `out`."""
+def recipe_args(
+    out: Path, *, steps: int = 8, n_train: int = 64, save_steps: int | None = None, evaluation: bool = False
+) -> list[str]:
+    """scripts/finetune.py arguments for a tiny run writing into `out` (`evaluation`: the default recipe's
+    evaluation before and after training with exact match, on the 16 held-out records; else only eval loss after)."""
     train, held = data_files(n_train)
+    quiet = [] if evaluation else ["--evaluation.before", "false", "--evaluation.exact_match_samples", "0"]
     args = [
         "--model.name_or_path",
         "embedded:tiny-llama",
@@ -73,10 +78,7 @@ def recipe_args(out: Path, *, steps: int = 8, n_train: int = 64, save_steps: int
         str(train),
         "--data.eval_file",
         str(held),
-        "--evaluation.before",
-        "false",
-        "--evaluation.exact_match_samples",
-        "0",
+        *quiet,
         "--training.max_steps",
         str(steps),
         "--training.logging_steps",
@@ -291,6 +293,34 @@ def baseline_run() -> Run:
     run = launch(recipe_args(out, save_steps=2), out)
     assert run.returncode == 0, run.tail()
     return run
+
+
+# The sharded engines as the README launches them: DeepSpeed through TrainingArguments (torchrun), FSDP2 through
+# `accelerate launch --config_file configs/accelerate/fsdp2.yaml` (2 processes). FSDP2 on CPU needs the test-only
+# accelerate patch in fsdp_cpu.py, which recipe_probe.py applies when the launch asks for FSDP.
+ENGINES = {
+    "zero2": (["--training.deepspeed", "configs/deepspeed/zero2.json"], None),
+    "zero3": (["--training.deepspeed", "configs/deepspeed/zero3.json"], None),
+    "fsdp2": ([], "configs/accelerate/fsdp2.yaml"),
+}
+PREEMPTED_ENGINES = ("zero3", "fsdp2")  # SIGTERM after step 2 (checkpoint-3, exit 143), then the rerun resumes
+
+
+@functools.cache
+def engine_runs(engine: str) -> tuple[Run, ...]:
+    """The default recipe (evaluation before and after training, exact match) for 4 steps on 2 CPU ranks under
+    `engine`, checkpointing every 2 steps; shared by every test that reads it. One uninterrupted launch, or for
+    `PREEMPTED_ENGINES` the preempted launch (rank 0 alone sends itself SIGTERM at the end of step 2) and the rerun
+    that resumes from its checkpoint-3."""
+    out = session_dir() / f"engine_{engine}" / "out"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    extra, accelerate_config = ENGINES[engine]
+    args = recipe_args(out, steps=4, save_steps=2, evaluation=True) + CPU + extra
+    kw = {"nproc": 2, "timeout": 480, "accelerate_config": accelerate_config}
+    if engine not in PREEMPTED_ENGINES:
+        return (launch(args, out, **kw),)
+    first = launch(args, out, fault="sigterm:2:0", tag="first", **kw)
+    return first, launch(args, out, tag="second", **kw)
 
 
 def torchrun_two_ranks(script: Path, *args: str, timeout: int, env: dict | None = None) -> str:

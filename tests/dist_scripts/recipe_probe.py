@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import transformers
 from harness import PROBE_INPUT_IDS
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +79,8 @@ def _lora_tensors(model) -> dict[str, torch.Tensor]:
 
         with deepspeed.zero.GatheredParameters([p for _, p in named]):
             return {n: p.detach().clone() for n, p in named}
+    if named and isinstance(named[0][1], DTensor):  # FSDP2: each rank holds a dim-0 shard; gather (a collective)
+        return {n: p.detach().full_tensor().clone() for n, p in named}
     return {n: p.detach().clone() for n, p in named}
 
 
@@ -90,9 +93,13 @@ class Probe(TrainerCallback):
         self.recording = False
         self.samples: list[list[int]] = []
         self.steps: list[int] = []
+        self.optimizer_groups: list[dict] | None = None
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        from hf_stable.optim import group_table
+
         self.recording = True
+        self.optimizer_groups = group_table(optimizer) if optimizer is not None else None  # as the Trainer built it
         self.gradient_checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
         self.output_dtypes: list[str] = []
         head = model.get_output_embeddings()
@@ -153,6 +160,9 @@ class Probe(TrainerCallback):
             "gradient_checkpointing": self.gradient_checkpointing,
             "deepspeed_stage": self._zero_stage(),
             "params_partitioned": any(hasattr(p, "ds_id") for p in model.parameters()),
+            "params_dtensor": any(isinstance(p, DTensor) for p in model.parameters()),  # FSDP2 really sharded
+            "distributed_type": str(self.trainer.accelerator.distributed_type),
+            "optimizer_groups": self.optimizer_groups,
             "train_output_dtypes": sorted(set(self.output_dtypes)),
             "samples": self.samples,
             "dataset_size": len(self.trainer.train_dataset),
@@ -266,10 +276,18 @@ if FAULT.startswith("enospc:"):
 
 if any("deepspeed" in a for a in sys.argv[1:]) or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
     # DeepSpeed on CPU JIT-compiles a shared-memory all-reduce kernel (about 80 s of g++ on 2 cores the first
-    # time, then cached in ~/.cache/torch_extensions). Tests use plain gloo collectives instead.
-    import deepspeed.comm.torch
+    # time, then cached in ~/.cache/torch_extensions, and rebuilt whenever another venv built it there). Tests use
+    # plain gloo collectives instead. The module is looked up in sys.modules: as an attribute, `deepspeed.comm.torch`
+    # is the torch package (deepspeed.comm imports torch), and patching that left the kernel build on.
+    import importlib
 
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+if "--training.fsdp" in sys.argv[1:] or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    import fsdp_cpu  # test only: accelerate runs FSDP2 on CPU ranks (see fsdp_cpu.py)
+
+    fsdp_cpu.enable()
 
 
 if __name__ == "__main__":

@@ -211,6 +211,9 @@ class RollbackGuard(StabilityCallback):
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
         if not self.enabled or self._off:
             return
+        if model is not None and self.engine_unhosted(state, model):  # said once; no snapshots for nothing
+            self._off = True
+            return
         step = state.global_step + 1
         verdict = self.skip_guard.verdict_for(step)
         if verdict is None or not verdict.skip:

@@ -295,7 +295,10 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self._use_step_tap(model)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if not self.enabled or self._off_reason is not None or model is None or self.engine_unhosted(state, model):
+        if not self.enabled or self._off_reason is not None or model is None:
+            return
+        if self.engine_unhosted(state, model):  # the engine made the step already: nothing to judge (said once)
+            self._off_reason = "the engine steps before the Trainer's on_pre_optimizer_step (use StableTrainer)"
             return
         step = state.global_step + 1
         report = GradStats.shared(model).compute(model, step=state.global_step)

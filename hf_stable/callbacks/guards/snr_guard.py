@@ -110,7 +110,7 @@ class SNRGuard(StabilityCallback):
         return ratio
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if not self.enabled or model is None:
+        if not self.enabled or model is None or self.engine_unhosted(state, model):
             return
         step = state.global_step + 1
         verdict = self.skip_guard.verdict_for(step) if self.skip_guard is not None else None

@@ -1,0 +1,97 @@
+"""`EpochVerdicts`: the end-of-epoch half of `SpikeForensics` - the trajectory rule's verdicts
+(`hf_stable.forensics.trajectory`) turned into quarantine entries that apply from the next epoch on."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from hf_stable.forensics.attribution import Culprit, SampleRow
+from hf_stable.forensics.sample_loss import per_sample_margin
+from hf_stable.forensics.trajectory import TrajectoryTable
+
+
+class EpochVerdicts:
+    """Mixin of `SpikeForensics` (which provides `trajectory`, `quarantine`, `cfg`, `_quarantine`, `_model`)."""
+
+    trajectory = None
+    _epochs_judged = 0  # epochs whose end the trajectory rule has judged
+    trajectory_seconds = 0.0  # the trajectory's own work (in perf/forensics_screen_s too), perf/forensics_trajectory_s
+
+    def _init_trajectory(self, cfg, records) -> None:
+        self.trajectory = None
+        if cfg.screen and cfg.trajectory:
+            self.trajectory = TrajectoryTable(len(records or []), cfg.trajectory_sightings, cfg.trajectory_max_records)
+        self._epochs_judged = 0
+
+    def _trajectory_state(self) -> dict:
+        table = self.trajectory.state_dict() if self.trajectory is not None else {}
+        return {"trajectory": table, "epochs_judged": self._epochs_judged}
+
+    def _load_trajectory_state(self, state: dict) -> None:
+        if self.trajectory is not None:
+            self.trajectory.load_state_dict(state.get("trajectory") or {})
+        self._epochs_judged = int(state.get("epochs_judged", 0))
+
+    def _observe_trajectory(self, kwargs, logits, record_ids, loss, count, peak) -> None:
+        """One training forward's per-sample values into the table's buffer (on device, no sync)."""
+        if self.trajectory is not None:
+            started = time.perf_counter()
+            margin = per_sample_margin(logits, kwargs["labels"], kwargs.get("position_ids"), len(record_ids))
+            self.trajectory.observe(self._step, record_ids, loss, count, margin, peak)
+            self.trajectory_seconds += time.perf_counter() - started
+
+    def _flush_trajectory(self) -> None:
+        """Gather the buffered rows into the table (every rank, at the screening's decision steps)."""
+        if self.trajectory is not None:
+            started = time.perf_counter()
+            self.trajectory.flush(self._device())
+            self.trajectory_seconds += time.perf_counter() - started
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        # a run resumed from a checkpoint written at an epoch's last step (saved before that epoch's end was
+        # judged) judges it now: the same table, the same step, the same entries as the uninterrupted run
+        if self.enabled and self.trajectory is not None and self._epochs_judged < int((state.epoch or 0) + 1e-6):
+            self._judge_trajectories(state.global_step, int((state.epoch or 0) + 1e-6))
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.enabled and self.trajectory is not None:
+            self._judge_trajectories(state.global_step, max(self._epochs_judged + 1, int((state.epoch or 0) + 1e-6)))
+
+    def _judge_trajectories(self, step: int, epochs_done: int) -> None:
+        """Name the records whose trajectory stands out (rank-agreed: the gathered table); they apply from the next
+        epoch on (entry epoch = the epoch judged, position past its end)."""
+        started = time.perf_counter()
+        self.trajectory.flush(self._device())
+        verdicts = self.trajectory.judge(
+            min_sightings=self.cfg.trajectory_min_sightings,
+            zscore=self.cfg.trajectory_zscore,
+            gain_weight=self.cfg.trajectory_gain_weight,
+            min_population=self.cfg.trajectory_min_population,
+            exclude=self.quarantine,
+        )
+        culprits = [
+            Culprit(
+                SampleRow(
+                    v.record_id,
+                    v.evidence["losses"][-1],
+                    int(self.trajectory.tokens[v.record_id]),
+                    math.nan,
+                    0,
+                    v.score,
+                ),
+                "trajectory",
+                detail=v.evidence,
+            )
+            for v in verdicts
+        ]
+        epoch = epochs_done - 1
+        self._epochs_judged = epochs_done
+        self._quarantine(step, culprits, math.nan, ["trajectory", f"epoch {epoch}"], at=(epoch, 2**31 - 1))
+        self.screen_seconds += time.perf_counter() - started
+        self.trajectory_seconds += time.perf_counter() - started
+
+    def _device(self):
+        return next(self._model.parameters()).device if self._model is not None else torch.device("cpu")
