@@ -11,7 +11,15 @@ MAX_PROBLEM_CHARS = 1000
 
 
 class HfStableError(Exception):
-    """Base class of every error hf_stable raises on purpose."""
+    """Base class of every error hf_stable raises on purpose.
+
+    `rank_local` says whether the failure is this rank's own (a file of its own, a disk of its node): with several
+    ranks the recipe prints such a message on the rank that has it, naming the rank. Every other error comes from
+    what all ranks read alike (the config, the data, the model, decisions rank 0 shares), so every rank stops with
+    the same message and rank 0 alone prints it.
+    """
+
+    rank_local: bool = False
 
 
 class ConfigError(HfStableError):
@@ -38,6 +46,21 @@ class DataError(HfStableError):
 
 class ModelError(HfStableError):
     """A problem loading or building a model or tokenizer (missing path, unknown architecture)."""
+
+
+class Preempted(BaseException):
+    """A termination signal arrived outside a training step, where there is nothing to save (see
+    `hf_stable.callbacks.preemption_callback.stop_on_signals`). A `BaseException`, like `KeyboardInterrupt`, so
+    that no `except Exception` on the way turns it into another error.
+
+    Args:
+        signal_name: e.g. "SIGTERM".
+        exit_code: the exit status the run ends with (`runtime.preemption.exit_code`).
+    """
+
+    def __init__(self, signal_name: str, exit_code: int = 143):
+        super().__init__(f"{signal_name} received")
+        self.signal_name, self.exit_code = signal_name, int(exit_code)
 
 
 class MissingDependencyError(HfStableError, ImportError):

@@ -154,12 +154,31 @@ def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
         shared = broadcast_object({k: out.get(k) for k in ("exact_match", "exact_match_detail")})
         out.update(shared)
     if is_main_process():
-        get_logger(__name__).info(
-            "%s: eval loss %s, exact match %s on %d prompts %s",
-            prefix,
-            out.get("eval_loss"),
-            out.get("exact_match"),
-            n,
-            (out.get("exact_match_detail") or {}).get("by_family"),
-        )
+        if "exact_match" in out:
+            by_family = (out.get("exact_match_detail") or {}).get("by_family")
+            em_text = f"exact match {out['exact_match']} on {n} prompts" + (f" {by_family}" if by_family else "")
+        else:  # exact_match_samples 0, no held-out records, or ZeRO-3
+            em_text = "exact match: off"
+        loss = f"eval loss {out['eval_loss']}" if out.get("eval_loss") is not None else "eval loss: no eval set"
+        get_logger(__name__).info("%s: %s, %s", prefix, loss, em_text)
     return out
+
+
+def results_line(summary: dict) -> str:
+    """The recipe's closing numbers, e.g. "eval loss 7.12 -> 1.33, exact match 0.0 -> 0.35"; what was not measured
+    says so ("exact match: off", "eval loss 4.92 after training (not measured before)")."""
+
+    def pair(name: str, before, after) -> str:
+        before, after = (round(v, 4) if isinstance(v, float) else v for v in (before, after))
+        if before is None and after is None:
+            return f"{name}: off"
+        if before is None:
+            return f"{name} {after} after training (not measured before)"
+        return f"{name} {before} -> {after}"
+
+    return ", ".join(
+        (
+            pair("eval loss", summary.get("eval_loss_before"), summary.get("eval_loss_after")),
+            pair("exact match", summary.get("exact_match_before"), summary.get("exact_match_after")),
+        )
+    )

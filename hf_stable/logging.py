@@ -13,12 +13,17 @@ import sys
 _CONFIGURED = False
 
 
-def is_main_process() -> bool:
-    """True on global rank 0 (or when not distributed). Reads the launcher's env, so it works before init."""
+def process_rank() -> int:
+    """This process's global rank (0 when not distributed). Reads the launcher's env, so it works before init."""
     for var in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
         if var in os.environ:
-            return int(os.environ[var]) == 0
-    return True
+            return int(os.environ[var])
+    return 0
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (or when not distributed). Reads the launcher's env, so it works before init."""
+    return process_rank() == 0
 
 
 class _MainProcessFilter(logging.Filter):

@@ -7,9 +7,12 @@ summary on success and records the error on failure, so a crashed run never look
 The directory itself is user input: a path that cannot be created or written (a read-only parent, a file in
 the way) is one `OutputDirError` naming the path and the OS error, decided on the main process and shared
 with every rank. A full disk is an environment failure, not a bug: the error boundary reports it first, in
-one line, with the checkpoint a rerun resumes from, and no traceback. Writes go through a temporary file
-that is removed when the write fails, and recording a failure never raises (on a full disk it overwrites
-`RUN_INCOMPLETE.json` in place, which needs no new space).
+one line, with the checkpoint a rerun resumes from, and no traceback (`hf_stable.full_disk` decides what a full
+disk is). Writes go through a temporary file that is removed when the write fails, and recording a failure never
+raises (on a full disk it overwrites `RUN_INCOMPLETE.json` in place, which needs no new space).
+
+A termination signal outside a training step (`hf_stable.errors.Preempted`) is recorded as "preempted". With
+several ranks a message is printed once per job: rank 0 prints an error every rank has, each rank its own.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import shutil
+import os
+import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,17 +32,20 @@ import yaml
 
 from hf_stable.checkpoints import is_complete, list_checkpoints
 from hf_stable.core.events import EVENTS_FILE
-from hf_stable.errors import HfStableError
+from hf_stable.errors import HfStableError, Preempted
 from hf_stable.forensics.quarantine import QUARANTINE_FILE
-from hf_stable.logging import is_main_process
+from hf_stable.full_disk import describe_free, disk_full, errors_in_chain
+from hf_stable.logging import is_main_process, process_rank
 
 SUMMARY_FILE = "run_summary.json"
 INCOMPLETE_FILE = "RUN_INCOMPLETE.json"
 CONFIG_FILE = "resolved_config.yaml"
 FINISH_MARKERS = (SUMMARY_FILE, "README.md")
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# how a full disk reads in errors that carry no errno (safetensors' Rust IoError, "Disk quota exceeded" text)
-_FULL_TEXT = ("no space left on device", "storagefull", "disk quota exceeded")
+# with several ranks, how long a rank other than 0 waits for the launcher to end it once rank 0 has reported the
+# error every rank has (torch elastic stops the other ranks within a second of the first exit)
+FOLLOWER_WAIT_SECONDS = 10.0
+# how gloo and NCCL say that another rank left a collective (it failed or stopped): not this rank's own failure
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote process exited")
 
 
 class OutputDirError(HfStableError):
@@ -49,30 +58,13 @@ def describe_os_error(e: OSError) -> str:
     return f"[{name or e.errno}] {e.strerror or e}{where}"
 
 
-def _errors_in_chain(e: BaseException):
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
-
-
-def disk_full(e: BaseException) -> bool:
-    """True when `e` (or an error it was raised from) says the disk or the quota is full."""
-    for err in _errors_in_chain(e):
-        if isinstance(err, OSError) and err.errno in _FULL_ERRNOS:
-            return True
-        if any(text in str(err).lower().replace(" ", "") for text in (t.replace(" ", "") for t in _FULL_TEXT)):
-            return True
-    return False
-
-
 class OutputDir:
     """Lifecycle of one run's output directory (writes happen on the main process only)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.started = time.time()
+        self.finished = False
 
     def start(self, config: dict) -> OutputDir:
         """Create the directory, clear finish markers, write RUN_INCOMPLETE.json and the resolved config.
@@ -160,20 +152,33 @@ class OutputDir:
             fh.truncate()
 
     def finish(self, summary: dict) -> None:
+        self.finished = True  # from here on nothing marks the run incomplete (a signal during the last print)
         if is_main_process():
             self._write_json(SUMMARY_FILE, summary)
             (self.path / INCOMPLETE_FILE).unlink(missing_ok=True)
 
-    def fail(self, error: BaseException) -> str | None:
-        """Record `error` in RUN_INCOMPLETE.json (main process). Never raises: returns why it could not be
+    def fail(self, error: BaseException, description: str | None = None, reason: str | None = None) -> str | None:
+        """Record `error` in RUN_INCOMPLETE.json (main process): status "failed", the error (or `description`, what
+        it means, e.g. "the disk is full (...)") and `reason` when given. Never raises: returns why it could not be
         recorded, or None."""
-        if not is_main_process() or not self.path.is_dir():
+        record = {"status": "failed", "started": self.started}
+        if reason:
+            record["reason"] = reason
+        record["error"] = (description or f"{type(error).__name__}: {error}")[:2000]
+        return self._record(record)
+
+    def preempted(self, signal_name: str, **fields) -> str | None:
+        """Record a stop by `signal_name` in RUN_INCOMPLETE.json (main process): status "preempted", the newest
+        complete checkpoint (None: a rerun starts from the beginning) and `fields`. Never raises."""
+        found = self._last_complete()
+        record = {"status": "preempted", "started": self.started, "signal": signal_name, **fields}
+        record.setdefault("checkpoint", str(found) if found else None)
+        return self._record(record)
+
+    def _record(self, record: dict) -> str | None:
+        if not is_main_process() or not self.path.is_dir() or self.finished:
             return None
-        text = json.dumps(
-            {"status": "failed", "started": self.started, "error": f"{type(error).__name__}: {error}"[:2000]},
-            indent=2,
-            ensure_ascii=False,
-        )
+        text = json.dumps(record, indent=2, ensure_ascii=False, default=str)
         try:
             self._write_text(INCOMPLETE_FILE, text)
             return None
@@ -185,49 +190,122 @@ class OutputDir:
         except OSError:
             return f"could not record the failure in {self.path / INCOMPLETE_FILE}: {describe_os_error(first)}"
 
+    def _last_complete(self) -> Path | None:
+        try:  # quietly: the failure is the first thing to report, not the incomplete checkpoint it left
+            return next((c for c in reversed(list_checkpoints(self.path)) if is_complete(c)), None)
+        except OSError:
+            return None
+
     def resume_hint(self) -> str:
         """Which checkpoint the same command would resume from (for a message after a failure)."""
-        try:  # quietly: the failure is the first thing to report, not the incomplete checkpoint it left
-            found = next((c for c in reversed(list_checkpoints(self.path)) if is_complete(c)), None)
-        except OSError:
-            found = None
+        found = self._last_complete()
         return f"it resumes from {found.name}" if found else "it starts from the beginning (no complete checkpoint)"
 
     def free_space(self) -> str:
-        try:
-            return f"{shutil.disk_usage(self.path).free / 2**20:.0f} MiB free"
-        except OSError:
-            return "free space unknown"
+        """e.g. "0 bytes of 800 KiB free"."""
+        return describe_free(self.path)
+
+
+def _labelled(text: str, rank: int) -> str:
+    return re.sub(r"^(error: )?", lambda m: f"{m.group(1) or ''}rank {rank}: ", text, count=1)
+
+
+def _wait_for_launcher(code: int) -> None:
+    """A rank other than 0 whose error every rank has: rank 0 prints it, and the launcher ends this rank when rank 0
+    exits (SIGTERM: leave quietly with `code`). Returns when that did not happen within FOLLOWER_WAIT_SECONDS (rank
+    0 did not stop the same way, or the launcher does not stop the other ranks): then this rank speaks for itself."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave(signum, frame):
+        raise SystemExit(code)
+
+    previous = {s: signal.signal(s, leave) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        time.sleep(FOLLOWER_WAIT_SECONDS)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def peer_lost(e: BaseException) -> bool:
+    """True when, with several ranks, `e` says another rank left a collective this rank was in."""
+    return _world_size() > 1 and any(t in str(err).lower() for err in errors_in_chain(e) for t in _PEER_LOST)
+
+
+def print_once_per_job(text: str, *, rank_local: bool, code: int) -> None:
+    """Print `text` on stderr once per job: with several ranks, rank 0 prints what every rank has (`rank_local`
+    False) and each rank prints its own failure, naming its rank (`error: rank 1: ...`)."""
+    try:
+        rank, world = process_rank(), _world_size()
+    except ValueError:  # a launcher's odd environment must not hide the message
+        rank, world = 0, 1
+    if world > 1 and (rank_local or rank != 0):
+        if not rank_local:
+            _wait_for_launcher(code)
+        text = _labelled(text, rank)
+    print(text, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
 def error_boundary(output: OutputDir | None = None):
     """Turn `HfStableError` into one clear line on stderr and exit code 2 (no traceback wall).
 
-    A full disk (ENOSPC / EDQUOT, however the library that hit it wraps it) is reported first, in one line
-    naming the error, the free space and the checkpoint a rerun resumes from, with exit code 1 and no
-    traceback. Any other exception is a bug: it is recorded in the output dir and re-raised with its traceback.
+    A full disk (ENOSPC / EDQUOT, however the library that hit it wraps it, or any failed save while the output
+    dir's filesystem is nearly full: `hf_stable.full_disk`) is reported first, in one line naming the error, the
+    free space and the checkpoint a rerun resumes from, with exit code 1 and no traceback. A termination signal
+    outside a training step (`Preempted`, see `stop_on_signals`) marks the run "preempted" and exits with its code.
+    With several ranks, a rank whose collective lost another rank (gloo "Connection closed by peer") says so in one
+    `hf_stable:` line, exit code 1: the rank that left says why. Any other exception is a bug: it is recorded in the
+    output dir and re-raised with its traceback. A message is printed once per job (see `print_once_per_job`).
     """
     try:
         yield
     except HfStableError as e:
         # an output dir that cannot be written cannot record its own failure either: the message says so already
         note = output.fail(e) if output is not None and not isinstance(e, OutputDirError) else None
-        print(f"error: {e}" + (f"\n  ({note})" if note else ""), file=sys.stderr, flush=True)
+        print_once_per_job(f"error: {e}" + (f"\n  ({note})" if note else ""), rank_local=e.rank_local, code=2)
         raise SystemExit(2) from None
+    except Preempted as e:
+        if output is not None:
+            output.preempted(e.signal_name, step=None, note="stopped outside a training step: nothing was saved")
+        hint = output.resume_hint() if output is not None else "it starts from the beginning"
+        if is_main_process() and not (output is not None and output.finished):
+            print(f"\npreempted: {e} outside a training step, nothing to save; rerun the same command: {hint}")
+            sys.stdout.flush()
+        raise SystemExit(e.exit_code) from None
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:
-        if output is not None and disk_full(e):
+        if output is not None and disk_full(e, output.path):
+            what = f"the disk is full ({type(e).__name__}: {str(e)[:500]}); {output.free_space()} under {output.path}"
+            print_once_per_job(
+                f"error: {what}. Free space and rerun the same command: {output.resume_hint()}",
+                rank_local=True,
+                code=1,
+            )
+            note = output.fail(e, description=what, reason="disk full")
+            if note:
+                print(f"  ({note})", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        if peer_lost(e):  # the rank that left says why (its own error: line, or its traceback)
+            rank, what = process_rank(), f"{type(e).__name__}: {str(e)[:300]}"
+            if output is not None:
+                output.fail(
+                    e, f"another rank stopped, rank {rank} lost it in a collective ({what})", "another rank stopped"
+                )
             print(
-                f"error: the disk is full ({type(e).__name__}: {str(e)[:500]}); {output.free_space()} under "
-                f"{output.path}. Free space and rerun the same command: {output.resume_hint()}",
+                f"hf_stable: rank {rank} stopped: another rank left a collective ({what}); that rank's message says why",
                 file=sys.stderr,
                 flush=True,
             )
-            note = output.fail(e)
-            if note:
-                print(f"  ({note})", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         note = output.fail(e) if output is not None else None
         if note:

@@ -19,13 +19,13 @@ from transformers import set_seed
 from hf_stable.callbacks import build_callbacks
 from hf_stable.callbacks.before_training_evaluation import BeforeTrainingEvaluation
 from hf_stable.callbacks.guards import guard_training_overrides
-from hf_stable.callbacks.preemption_callback import exit_if_preempted
+from hf_stable.callbacks.preemption_callback import exit_if_preempted, stop_on_signals
 from hf_stable.checkpoints import resolve_resume
 from hf_stable.config import load_config, training_arguments
 from hf_stable.data import build_data
 from hf_stable.distributed import prepare_launch, shutdown
 from hf_stable.doctor import preflight
-from hf_stable.evaluation import evaluate_run
+from hf_stable.evaluation import evaluate_run, results_line
 from hf_stable.logging import get_logger, is_main_process, print_main
 from hf_stable.modeling import apply_lora, count_parameters, load_model, load_tokenizer, resolve_base
 from hf_stable.optim import build_optimizer, format_group_table, group_table, trainer_optimizer_arguments
@@ -47,7 +47,8 @@ def main(argv: list[str]) -> None:
         )
         prepare_launch(args)  # e.g. refuses N processes that would each train alone on CPU
     output = OutputDir(args.output_dir)
-    with error_boundary(output):
+    # a SIGTERM outside a training step (nothing to save) marks the run "preempted" and exits 143
+    with error_boundary(output), stop_on_signals(cfg.runtime.preemption, output):
         output.start(cfg.to_dict())
         logger.info("config %s -> output dir %s", cfg.source, args.output_dir)
 
@@ -140,9 +141,7 @@ def main(argv: list[str]) -> None:
         output.finish(summary)
         shutdown()  # every rank leaves together
         print_main(
-            f"\ndone in {summary['wall_seconds']}s, {summary['train_steps']} steps: "
-            f"eval loss {summary['eval_loss_before']} -> {summary['eval_loss_after']}, "
-            f"exact match {summary['exact_match_before']} -> {summary['exact_match_after']}\n"
+            f"\ndone in {summary['wall_seconds']}s, {summary['train_steps']} steps: {results_line(summary)}\n"
             f"output: {os.path.abspath(args.output_dir)}"
         )
 

@@ -7,6 +7,7 @@ process at a chosen point) and compare the resumed run's final adapter with an u
 from __future__ import annotations
 
 import json
+import multiprocessing
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -104,6 +105,92 @@ def test_preemption_callback_restores_handlers_and_state():
     assert fresh.state_dict() == {"preemptions": 2}
 
 
+def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, capsys, monkeypatch):
+    from hf_stable.callbacks import preemption_callback
+    from hf_stable.callbacks.preemption_callback import PreemptionCallback, stop_on_signals
+    from hf_stable.config.runtime import PreemptionConfig
+    from hf_stable.outputs import INCOMPLETE_FILE, OutputDir, error_boundary
+
+    with stop_on_signals(PreemptionConfig(enabled=False)) as handled:
+        assert handled == []
+    out = OutputDir(tmp_path / "run").start({})
+    before = signal.getsignal(signal.SIGUSR1)
+    signals = PreemptionConfig(signals=["SIGUSR1"], exit_code=140)
+    with pytest.raises(SystemExit) as stop, error_boundary(out), stop_on_signals(signals) as handled:
+        assert handled == ["SIGUSR1"]
+        child = multiprocessing.get_context("fork").Process(target=signal.raise_signal, args=(signal.SIGUSR1,))
+        child.start()  # a forked child (a DataLoader worker) keeps the default action: it dies of the signal
+        child.join(30)
+        assert child.exitcode == -signal.SIGUSR1
+        during = PreemptionCallback(signals=["SIGUSR1"])  # training: the callback takes the signal over ...
+        during._install()
+        signal.raise_signal(signal.SIGUSR1)
+        assert during.pending
+        during._restore()  # ... and gives it back when training ends
+        signal.raise_signal(signal.SIGUSR1)
+        pytest.fail("the signal did not stop the run")
+    assert signal.getsignal(signal.SIGUSR1) == before  # the block's end put the previous handler back
+    assert stop.value.code == 140
+    status = json.loads((out.path / INCOMPLETE_FILE).read_text())
+    assert status["status"] == "preempted" and status["signal"] == "SIGUSR1" and status["checkpoint"] is None
+    assert "preempted: SIGUSR1 received outside a training step, nothing to save" in capsys.readouterr().out
+
+    # in training, a second signal later than DUPLICATE_SECONDS: the callback gives up, the run stops at once
+    monkeypatch.setattr(preemption_callback, "DUPLICATE_SECONDS", 0.0)
+    with pytest.raises(SystemExit) as stop, error_boundary(out), stop_on_signals(signals):
+        during = PreemptionCallback(signals=["SIGUSR1"])
+        during._install()
+        signal.raise_signal(signal.SIGUSR1)
+        signal.raise_signal(signal.SIGUSR1)
+        pytest.fail("the second signal did not stop the run")
+    assert stop.value.code == 140 and json.loads((out.path / INCOMPLETE_FILE).read_text())["status"] == "preempted"
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+    capsys.readouterr()
+    out.finish({"train_steps": 0})  # a finished run stays finished, whatever arrives during its last line
+    with pytest.raises(SystemExit), error_boundary(out), stop_on_signals(signals):
+        signal.raise_signal(signal.SIGUSR1)
+    assert (out.path / "run_summary.json").is_file() and not (out.path / INCOMPLETE_FILE).exists()
+    assert "preempted" not in capsys.readouterr().out
+
+
+_BLOCKED = """
+import ctypes, os, signal, sys, threading
+from hf_stable.callbacks import preemption_callback
+from hf_stable.config.runtime import PreemptionConfig
+from hf_stable.outputs import OutputDir, error_boundary
+
+preemption_callback.STUCK_SECONDS = 1.0
+out = OutputDir(sys.argv[1]).start({})
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+with error_boundary(out), preemption_callback.stop_on_signals(PreemptionConfig(), out):
+    ctypes.CDLL(None).system(b"exec sleep 30 >/dev/null 2>&1")  # blocked in C, like a collective missing a rank
+print("not stopped")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_signal_while_blocked_in_a_c_call_still_ends_the_run_marked_preempted(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _BLOCKED, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 143, done.stdout + done.stderr[-3000:]
+    assert time.monotonic() - started < 25 and "not stopped" not in done.stdout  # not after the 30 s C call
+    status = json.loads((tmp_path / "run" / "RUN_INCOMPLETE.json").read_text())
+    assert status["status"] == "preempted" and status["signal"] == "SIGTERM" and "blocked" in status["note"]
+    assert "preempted: SIGTERM received while blocked in a C call" in done.stdout
+
+
 # ---- end to end: scripts/finetune.py killed and resumed -------------------------------------------------
 
 
@@ -138,6 +225,10 @@ def test_kill9_while_saving_then_resume_equals_uninterrupted_run(tmp_path):
     resumed = launch(args, out, tag="resume")  # the same command again: runtime.resume defaults to auto
     assert resumed.returncode == 0, resumed.tail()
     assert "resuming from" in resumed.output and "checkpoint-4" in resumed.output
+    # evaluation.exact_match_samples 0 and no evaluation before training (recipe_args): said so, not "None"
+    assert "after: eval loss " in resumed.output and ", exact match: off" in resumed.output
+    assert "(not measured before), exact match: off" in resumed.output
+    assert "exact match None" not in resumed.output and "eval loss None" not in resumed.output
     _assert_same_adapter(load_adapter(out), load_adapter(base.out))
     a, b = _state(out), _state(base.out)
     assert [h.get("loss") for h in a["log_history"]] == [h.get("loss") for h in b["log_history"]]
@@ -171,6 +262,20 @@ def test_sigterm_saves_a_checkpoint_stops_and_resumes_to_the_same_adapter(tmp_pa
     saved = _state(out)["stateful_callbacks"]["hf_stable"]
     assert saved["PreemptionCallback"] == {"preemptions": 1}  # restored from checkpoint-5, not reset
     assert (out / "run_summary.json").is_file() and not (out / "RUN_INCOMPLETE.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_before_training_starts_marks_the_run_preempted(tmp_path):
+    out = tmp_path / "out"
+    stopped = launch(recipe_args(out, save_steps=2), out, fault="sigterm_at_init")  # as the Trainer is built
+    assert stopped.returncode == 143, stopped.tail()
+    assert "Traceback" not in stopped.stderr and "error:" not in stopped.stderr, stopped.tail()
+    assert "preempted: SIGTERM received outside a training step, nothing to save" in stopped.output
+    assert "it starts from the beginning" in stopped.output
+    status = json.loads((out / "RUN_INCOMPLETE.json").read_text())
+    assert status["status"] == "preempted" and status["signal"] == "SIGTERM" and status["checkpoint"] is None
+    assert not (out / "run_summary.json").exists() and not list(out.glob("checkpoint-*"))
 
 
 def test_a_fresh_run_sets_an_earlier_runs_events_aside_and_a_resume_keeps_them(tmp_path):

@@ -10,6 +10,12 @@ After `trainer.train()` returns, `exit_if_preempted` marks the output dir as pre
 exits with `exit_code` (default 143 = 128 + SIGTERM), so the recipe does not evaluate or write a model card
 for a half-trained model and the scheduler / torchrun restarts the job, which resumes (`runtime.resume: auto`).
 
+Outside the training loop (loading the model and data, evaluating, writing the outputs) there is no step to
+finish and nothing to save: `stop_on_signals`, around the recipe's work from the start of the output dir, turns
+the signal into `hf_stable.errors.Preempted`, which the recipe's error boundary records as "preempted" in
+RUN_INCOMPLETE.json before it exits with `exit_code` (without it the default action would kill the process and
+leave the run marked "running").
+
 The grace period must cover the rest of one optimizer step plus one checkpoint save. A second copy of the
 same signal within `DUPLICATE_SECONDS` is the same request arriving twice (a process-group kill plus the
 launcher forwarding it, see `hf_stable.launcher`) and is ignored; a later one gives up and lets the previous
@@ -18,16 +24,18 @@ handler (normally: die) run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.config.runtime import PreemptionConfig
 from hf_stable.distributed import all_reduce_flag, shutdown
+from hf_stable.errors import Preempted
 from hf_stable.logging import get_logger, print_main
-from hf_stable.outputs import INCOMPLETE_FILE
 
 logger = get_logger(__name__)
 
@@ -148,6 +156,91 @@ class PreemptionCallback(StabilityCallback):
         super().on_train_end(args, state, control, **kwargs)
 
 
+# outside training, how long a signal may wait for the main thread (blocked in a C call: a collective, a kernel)
+# to take it before the process records "preempted" and exits anyway, as the default action would have at once
+STUCK_SECONDS = 10.0
+
+
+def _watch(read_fd: int, ours: dict, exit_code: int, output) -> None:
+    """Thread: the wakeup fd gets each signal's number at once, even while the main thread is blocked in C (then
+    its Python handler waits). One of ours, still handled by `stop` after STUCK_SECONDS: exit without it."""
+    try:
+        while data := os.read(read_fd, 64):
+            for signum in data:
+                if _waits(signum, ours):
+                    time.sleep(STUCK_SECONDS)
+                    if _waits(signum, ours):  # else: the main thread took it, or the block ended
+                        _exit_stuck(signum, exit_code, output)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(read_fd)
+
+
+def _waits(signum: int, ours: dict) -> bool:
+    # not ours, or training (the PreemptionCallback's flag, acted on at the step's end): nothing to do
+    return signum in ours and signal.getsignal(signum) is ours[signum]
+
+
+def _exit_stuck(signum: int, exit_code: int, output) -> None:
+    name = signal.Signals(signum).name
+    if output is not None:
+        output.preempted(name, step=None, note=f"blocked for {STUCK_SECONDS:.0f} s in a C call: nothing was saved")
+    print_main(f"\npreempted: {name} received while blocked in a C call, nothing to save; rerun the same command")
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(exit_code)
+
+
+@contextlib.contextmanager
+def stop_on_signals(config: PreemptionConfig | None = None, output=None):
+    """While the block runs, make `config.signals` raise `Preempted` (which `hf_stable.outputs.error_boundary`
+    records as "preempted"), except during training, where a `PreemptionCallback` takes them over. Yields the
+    signals handled (none when `config.enabled` is False, or outside the main thread, where signals cannot be
+    handled); the previous handlers come back when the block ends.
+
+    A main thread blocked in a C call (a collective waiting for a rank that is gone) cannot run a Python handler:
+    after `STUCK_SECONDS` the process records "preempted" in `output` (an `OutputDir`) and exits with the exit
+    code, so a signal still ends it (a launcher's parent-death signal, a scheduler's SIGTERM).
+
+    Example:
+        >>> with error_boundary(output), stop_on_signals(cfg.runtime.preemption, output):
+        ...     output.start(cfg.to_dict())   # a SIGTERM from here on while loading data: "preempted", exit 143
+    """
+    cfg = config or PreemptionConfig()
+    handled = list(cfg.signals) if cfg.enabled and threading.current_thread() is threading.main_thread() else []
+    exit_code = int(cfg.exit_code)
+    owner = os.getpid()
+
+    def stop(signum, frame):
+        if os.getpid() != owner:  # a forked child (a DataLoader worker) inherited the handler: the default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Preempted(signal.Signals(signum).name, exit_code)
+
+    previous, ours, wakeup, old_fd = {}, {}, None, -1
+    try:
+        for name in handled:
+            signum = PreemptionCallback._signum(name)
+            previous[signum] = signal.signal(signum, stop)
+            ours[signum] = stop
+        if ours:
+            wakeup = os.pipe()
+            os.set_blocking(wakeup[1], False)
+            old_fd = signal.set_wakeup_fd(wakeup[1], warn_on_full_buffer=False)
+            threading.Thread(target=_watch, args=(wakeup[0], ours, exit_code, output), daemon=True).start()
+        yield handled
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if wakeup is not None:
+            signal.set_wakeup_fd(old_fd)
+            os.close(wakeup[1])  # the watcher reads EOF and ends
+
+
 def find_preemption(trainer) -> PreemptionCallback | None:
     return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback)), None)
 
@@ -167,11 +260,9 @@ def exit_if_preempted(trainer, output=None) -> None:
         return
     step = callback.stopped_at
     checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
-    if output is not None:
-        output.write_json(
-            INCOMPLETE_FILE,
-            {"status": "preempted", "started": output.started, "step": step, "checkpoint": checkpoint},
-        )
+    if output is not None:  # the signal this rank got (on rank 0 maybe none: another rank's decided the stop)
+        name = signal.Signals(callback._received).name if callback._received else "/".join(callback.signals)
+        output.preempted(name, step=step, checkpoint=checkpoint)
     print_main(f"\npreempted: saved {checkpoint} at step {step}; rerun the same command to resume")
     shutdown()
     raise SystemExit(callback.exit_code)

@@ -25,8 +25,9 @@ class PreemptionConfig:
         default_factory=lambda: ["SIGTERM"],
         metadata=_h(
             "Signals that request a checkpoint-and-stop (SLURM `--signal=USR1@120` sends SIGUSR1; Kubernetes and "
-            "torchrun send SIGTERM). The launcher (`accelerate launch`, `torchrun`) forwards them to the workers. A "
-            "second identical signal more than 5 s after the first kills the process the usual way."
+            "torchrun send SIGTERM). The launcher (`accelerate launch`, `torchrun`) forwards them to the workers. "
+            "Outside a training step (loading, evaluating, writing outputs) there is nothing to save: the run stops "
+            "at once, marked preempted. A second identical signal more than 5 s after the first stops it at once too."
         ),
     )
     exit_code: int = field(

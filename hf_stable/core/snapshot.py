@@ -7,6 +7,11 @@ is handed the live tensors and moves one storage at a time to the host while wri
 ones. The previous file is removed before the next one is written, so the disk holds one snapshot at a time (a
 snapshot is never read after a crash: a resumed run takes a fresh one from its checkpoint).
 
+The file holds only tensors (in lists, dicts and tuples with int keys and device strings): the Python values (an
+int step in the optimizer state, the guards' references) stay in memory, and the file is read back with
+`torch.load(weights_only=True)`. A file that holds anything else (a pickle planted in the output dir that would
+run code when loaded) is refused with a `SnapshotError` naming it, before any of its code runs.
+
 Restoring copies the saved tensors back into the live ones (`copy_`: dtype, device and identity stay, the values are
 bitwise equal) and removes optimizer state that did not exist at snapshot time. If the optimizer was switched
 (optimizer phases) since the snapshot, only the weights are restored and the new optimizer's state is reset.
@@ -19,15 +24,25 @@ optimizer updates fp32 partitions, so the model's own weights (`engine.extra_sna
 from __future__ import annotations
 
 import copy
+import pickle
+import re
 from pathlib import Path
 
 import torch
 
 from hf_stable.compat import deepspeed_master_partitions
 from hf_stable.core.engine import StepEngine
+from hf_stable.errors import HfStableError
 from hf_stable.optim.phases import unwrap_optimizer
 
 _PLAIN = StepEngine()
+_IN_FILE = ("params", "state", "extra")  # a disk snapshot's tensors; the rest stays in memory
+
+
+class SnapshotError(HfStableError):
+    """This rank's rollback snapshot file cannot be used (the message names the file)."""
+
+    rank_local = True
 
 
 def optimizer_params(optimizer) -> list[torch.Tensor]:
@@ -92,15 +107,28 @@ class SnapshotStore:
         if not to_cpu:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.unlink(missing_ok=True)  # one snapshot on disk at a time
-            torch.save(snap, self.path)
-            snap = {"step": step, "guard_states": snap["guard_states"]}
+            # the file gets the tensors only (what weights_only=True loads); Python values stay here
+            state = snap["state"]
+            tensors = {i: {k: e for k, e in s.items() if e[0] is not None} for i, s in state.items()}
+            torch.save({"params": snap["params"], "state": tensors, "extra": snap["extra"]}, self.path)
+            snap = {k: v for k, v in snap.items() if k not in _IN_FILE}
+            snap["values"] = {i: {k: e for k, e in s.items() if e[0] is None} for i, s in state.items()}
         self._snap, self.step = snap, step
 
     def load(self) -> dict | None:
-        """The whole snapshot (disk: memory-mapped, read on access)."""
+        """The whole snapshot (disk: memory-mapped, read on access).
+
+        Raises:
+            SnapshotError: the disk file holds more than tensors (nothing in it is run) or cannot be read.
+        """
         if self._snap is None or "params" in self._snap:
             return self._snap
-        return torch.load(self.path, map_location="cpu", mmap=True, weights_only=False)
+        tensors = _load_tensors(self.path)
+        state = tensors["state"]
+        for i, values in self._snap["values"].items():
+            state[i] = {**state.get(i, {}), **copy.deepcopy(values)}
+        kept = {k: v for k, v in self._snap.items() if k != "values"}
+        return {**kept, "params": tensors["params"], "state": state, "extra": tensors.get("extra", [])}
 
     def guard_states(self) -> dict:
         return {} if self._snap is None else self._snap["guard_states"]
@@ -140,3 +168,25 @@ class SnapshotStore:
                 else:
                     live[key] = value.to(device, copy=True)
         return snap["step"], same_opt, snap["guard_states"]
+
+
+def _load_tensors(path: Path) -> dict:
+    """Read a disk snapshot with `torch.load(weights_only=True)`: tensors and plain values only, no code runs."""
+    fix = (
+        "check who else can write to the output dir, then rerun the same command (it resumes from its last complete "
+        "checkpoint and writes a fresh snapshot)"
+    )
+    try:
+        data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported [\w ]+", str(e))
+        detail = found.group(0) if found else "not a snapshot"
+        raise SnapshotError(
+            f"rollback snapshot {path}: refused to load it, it holds more than tensors ({detail})"
+            f"; hf_stable writes only tensors there, so something else wrote this file; {fix}"
+        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise SnapshotError(f"rollback snapshot {path} cannot be read ({type(e).__name__}: {e}); {fix}") from None
+    if not (isinstance(data, dict) and isinstance(data.get("params"), list) and isinstance(data.get("state"), dict)):
+        raise SnapshotError(f"rollback snapshot {path} is not a snapshot hf_stable wrote; {fix}")
+    return data

@@ -117,18 +117,8 @@ class Run:
         return codes
 
 
-def start(
-    args: list[str],
-    out: Path,
-    *,
-    nproc: int = 1,
-    fault: str | None = None,
-    tag: str = "probe",
-    accelerate_config: str | None = None,
-    launcher: str | None = None,
-) -> Launched:
-    """Start the recipe (through the probe) without waiting: see `launch`."""
-    probe = out.parent / f"{out.name}_{tag}"
+def recipe_env(probe: Path, fault: str | None = None) -> dict:
+    """The environment of a probed recipe run: offline, one thread (bitwise comparable), probe files in `probe`."""
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -141,6 +131,22 @@ def start(
     env.pop("HF_STABLE_FAULT", None)
     if fault:
         env["HF_STABLE_FAULT"] = fault
+    return env
+
+
+def start(
+    args: list[str],
+    out: Path,
+    *,
+    nproc: int = 1,
+    fault: str | None = None,
+    tag: str = "probe",
+    accelerate_config: str | None = None,
+    launcher: str | None = None,
+) -> Launched:
+    """Start the recipe (through the probe) without waiting: see `launch`."""
+    probe = out.parent / f"{out.name}_{tag}"
+    env = recipe_env(probe, fault)
     launcher = launcher or ("python" if nproc == 1 else "accelerate" if accelerate_config else "torchrun")
     if launcher == "python":
         cmd = [sys.executable, str(PROBE), *args]

@@ -11,6 +11,8 @@ Environment:
                                                adapter, before optimizer / RNG / trainer_state / marker;
                           "sigterm:N"          the process sends itself SIGTERM at the end of step N;
                           "sigterm:N:R"        only rank R does (the other ranks must follow via the all-reduce);
+                          "sigterm_at_init"    the process sends itself SIGTERM as the Trainer is built (before
+                                               training starts);
                           "pause:N"            at the end of step N every rank writes paused_rank<r> into the
                                                probe dir and waits (up to 120 s) until a signal reached its
                                                PreemptionCallback: the test signals the launcher meanwhile, so
@@ -19,7 +21,9 @@ Environment:
                                                then on every new write under training.output_dir fails with
                                                ENOSPC (a file is created, then its first write fails; only an
                                                in-place overwrite of an existing file still works, as on a
-                                               real full disk); "enospc:final" does so at the final save.
+                                               real full disk); "enospc:final" does so at the final save;
+                                               "enospc:N:R": only rank R's writes fail (also its torch.save
+                                               of rng_state_R.pth).
 
 The recipe is run through `runpy`, so what runs is exactly scripts/finetune.py; the probe only adds an index
 column to the train dataset (stripped again by a wrapper around the data collator, to see which rows each rank
@@ -178,6 +182,8 @@ _original_init = transformers.Trainer.__init__
 
 
 def _probed_init(self, *args, **kwargs):
+    if FAULT == "sigterm_at_init":
+        os.kill(os.getpid(), signal.SIGTERM)
     _original_init(self, *args, **kwargs)
     probe = Probe(self)
     if self.train_dataset is not None:
@@ -208,10 +214,13 @@ if FAULT.startswith("enospc:"):
     import safetensors.torch
 
     _when = FAULT.split(":")[1]
+    _rank_filled = FAULT.split(":")[2] if FAULT.count(":") > 1 else None
     _full = {"on": False}
     _out = Path(sys.argv[sys.argv.index("--training.output_dir") + 1]).resolve()
 
     def _filling(path) -> bool:
+        if _rank_filled is not None and str(_rank()) != _rank_filled:
+            return False
         try:
             return _full["on"] and Path(path).resolve().is_relative_to(_out)
         except (TypeError, ValueError, OSError):
@@ -242,6 +251,15 @@ if FAULT.startswith("enospc:"):
         return _save_file(tensors, filename, *args, **kwargs)
 
     safetensors.torch.save_file = _full_save_file
+    _torch_save = torch.save
+
+    def _full_torch_save(obj, f, *args, **kwargs):
+        if _rank_filled is not None and isinstance(f, (str, os.PathLike)) and _filling(f):
+            Path(f).touch()  # torch writes through its own C++ file writer, not Python's open
+            raise _no_space(f)
+        return _torch_save(obj, f, *args, **kwargs)
+
+    torch.save = _full_torch_save
     _save_checkpoint, _save_model = transformers.Trainer._save_checkpoint, transformers.Trainer.save_model
 
     def _checkpoint_fills_disk(self, *args, **kwargs):
