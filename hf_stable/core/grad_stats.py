@@ -28,6 +28,10 @@ import torch
 
 from hf_stable.compat import foreach_norm, tensor_version
 from hf_stable.core.engine import StepEngine
+from hf_stable.core.grad_combine import best_rank as _best_rank
+from hf_stable.core.grad_combine import fill_max_abs, sharded_report
+from hf_stable.core.grad_combine import param_name as _name
+from hf_stable.core.grad_combine import worst as _worst
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
 from hf_stable.distributed import all_gather_tensor, rank
 from hf_stable.optim.roles import group_parameters
@@ -419,12 +423,6 @@ class GradStats:
         self._agreed_dev_key = self._dev_key
         return True
 
-    @staticmethod
-    def _best(values: torch.Tensor) -> list[torch.Tensor]:
-        """Largest finite value and its index (value -1 when none is finite), as two 1-element tensors."""
-        best = torch.max(torch.where(torch.isfinite(values), values, -1.0), dim=0)
-        return [best.values.reshape(1), best.indices.to(torch.float32).reshape(1)]
-
     def compute(
         self, model: torch.nn.Module | None = None, step: int | None = None, max_abs: bool = False
     ) -> GradReport:
@@ -480,61 +478,25 @@ class GradStats:
             extras=extras,
             rank_norms=rank_norms,
         )
-        if self._agreed_max and all(row[col["has_max"]] > 0.5 for row in rows):
-            value, arg = _best_rank([(row[col["max_abs"]], row[col["max_arg"]]) for row in rows])
-            report.has_max_abs = True
-            if value >= 0:  # else every gradient is non-finite: there is no finite maximum (stays NaN / None)
-                report.max_abs, report.max_abs_param = value, _name(dev, arg)
-                index = int(arg)
-                report.max_abs_group = dev.groups[dev.group_ids[index]] if index < len(dev.group_ids) else None
+        if self._agreed_max:
+            fill_max_abs(report, rows, col, dev)
         return report
 
     def _sharded_report(self, dev: DeviceGradStats | None, step) -> GradReport:
-        """Every rank holds a part of each gradient (FSDP2 shards, ZeRO partitions): a norm is the root of the summed
-        squares of the parts, a tensor is non-finite when a part of it is on some rank, max |g| is the largest part."""
-        rows, n_groups = self._agreed_rows, len(self._group_names)
+        """The report when every rank holds a part of each gradient (`grad_combine.sharded_report`)."""
         col = {name: self._slot(name) for name in self._TAIL}
-        first = 2 * n_groups + len(self._TAIL)
-        n_keys = len(self._agreed_keys)
-        extras = {k: sum(row[first + j] for row in rows) for j, k in enumerate(self._agreed_keys)}
-        rank_norms = [row[col["global"]] for row in rows]
-        if dev is None or any(row[col["available"]] < 0.5 for row in rows):
-            everywhere = all(row[col["available"]] < 0.5 for row in rows)
-            reason = self._unavailable_reason() if everywhere else "a rank has no gradient to read"
-            return GradReport(
-                step=step, available=False, reason=reason, extras=extras, rank_norms=rank_norms, sharded=True
-            )
-        names = self._entry_names()
-        squares = [sum(row[first + n_keys + i] for row in rows) for i in range(len(names))]
-        norms = [math.sqrt(v) if math.isfinite(v) else math.nan for v in squares]
-        finite = [(v, i) for i, v in enumerate(norms) if math.isfinite(v)]
-        top_norm, top = max(finite) if finite else (-1.0, 0)
-        present = sorted({gi for _, _, gi in self._ensure_entries()})
-        group_sq = {g: sum(row[g] ** 2 for row in rows) for g in present}
-        total = sum(group_sq.values())
-        report = GradReport(
-            step=step,
-            available=True,
-            global_norm=math.sqrt(total) if math.isfinite(total) else math.nan,
-            group_norms={
-                self._group_names[g]: math.sqrt(v) if math.isfinite(v) else math.nan for g, v in group_sq.items()
-            },
-            nonfinite={self._group_names[g]: int(max(row[n_groups + g] for row in rows)) for g in present},
-            max_param_norm=top_norm if top_norm >= 0 else math.nan,
-            max_norm_param=names[top] if top_norm >= 0 else None,
-            n_tensors=len(names),
-            extras=extras,
-            rank_norms=rank_norms,
-            sharded=True,
+        return sharded_report(
+            self._agreed_rows,
+            col,
+            self._group_names,
+            self._agreed_keys,
+            self._entry_names(),
+            sorted({gi for _, _, gi in self._ensure_entries()}),
+            dev,
+            step,
+            self._agreed_max,
+            self._unavailable_reason,
         )
-        if self._agreed_max and all(row[col["has_max"]] > 0.5 for row in rows):
-            value, arg = _best_rank([(row[col["max_abs"]], row[col["max_arg"]]) for row in rows])
-            report.has_max_abs = True
-            if value >= 0:
-                report.max_abs, report.max_abs_param = value, _name(dev, arg)
-                index = int(arg)
-                report.max_abs_group = dev.groups[dev.group_ids[index]] if index < len(dev.group_ids) else None
-        return report
 
     def _unavailable_reason(self) -> str:
         _, grads, _ = self._present()
@@ -546,18 +508,3 @@ def begin_step(model: torch.nn.Module | None) -> None:
     stats = _SHARED.get(model) if model is not None else None
     if stats is not None:
         stats.begin_step()
-
-
-def _worst(values: list[float]) -> float:
-    """The worst of the ranks' values: NaN over +inf over the largest finite value."""
-    return math.nan if any(math.isnan(v) for v in values) else max(values)
-
-
-def _best_rank(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    """(value, index) of the rank with the largest value (the lowest rank on a tie)."""
-    return max(pairs, key=lambda pair: pair[0])
-
-
-def _name(dev: DeviceGradStats, arg: float) -> str | None:
-    index = int(arg)
-    return dev.names[index] if 0 <= index < len(dev.names) else None
