@@ -219,6 +219,52 @@ def by_epoch(entries: list[dict], injected: dict[int, str], epochs: int) -> list
     return out
 
 
+def table_until(state: dict, step: int):
+    """The run's trajectory table (from its final callback state) as it stood after `step`: later sightings
+    dropped."""
+    import math
+
+    import torch
+
+    from hf_stable.forensics.trajectory import STEP, TrajectoryTable
+
+    table = TrajectoryTable()
+    table.load_state_dict(state.get("trajectory") or {})
+    kept = table.seen.clamp(max=table.max_sightings)
+    later = table.hist[..., STEP] > step
+    table.hist[later] = math.nan
+    table.seen = torch.minimum(kept, (~later & torch.isfinite(table.hist[..., STEP])).sum(1).int())
+    return table
+
+
+def calibrate(a, tmp: Path, clean: Path, base: Path | None) -> None:
+    """The trajectory rule's scores on clean runs (``report``: nothing left out) at the end of every epoch: the bar
+    must sit above every one of them."""
+    from hf_stable.forensics.config import ForensicsConfig
+
+    cfg = ForensicsConfig()
+    steps_per_epoch = -(-len(base_records(a.records)) // 16)
+    top = []
+    for seed in [int(x) for x in a.calibrate.split(",")]:
+        for epochs in [int(x) for x in a.epochs.split(",")]:
+            r = run(clean, tmp / f"calib_{seed}_{epochs}", "report", seed, 0, base, epochs=epochs)
+            for e in range(cfg.trajectory_min_sightings, epochs + 1):
+                table = table_until(r["state"], e * steps_per_epoch)
+                v = table.judge(
+                    min_sightings=cfg.trajectory_min_sightings, zscore=-1e9, gain_weight=cfg.trajectory_gain_weight
+                )
+                best = v[0]
+                top.append(best.score)
+                print(
+                    f"clean seed {seed}, {epochs} epoch(s), end of epoch {e}: highest score {best.score:.3f} "
+                    f"({best.evidence['sightings']} sightings, record {best.record_id}); named at the bar "
+                    f"{cfg.trajectory_zscore:g}: {sum(x.score > cfg.trajectory_zscore for x in v)}"
+                )
+    print(
+        f"calibration: highest clean score {max(top):.3f} over {len(top)} epoch ends (bar {cfg.trajectory_zscore:g})"
+    )
+
+
 def mislabeled_grid(a, tmp: Path, clean: Path, base: Path | None) -> None:
     """The mislabeled-pair poison at each rate, for each run length: the screened run (``auto``, screening and
     trajectories) against the plain run of the clean file, scored at the end of every epoch."""
@@ -261,6 +307,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--epochs", default="1,2,3", help="--mislabeled: whole epochs per run")
     p.add_argument("--train-seed", type=int, default=3, help="--mislabeled: training seed (the poison: --seed)")
+    p.add_argument(
+        "--calibrate", default=None, help="clean training seeds, e.g. 0,1,2: the trajectory rule's clean scores"
+    )
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="hf_stable_forensics_"))
     train = tmp / "train_poisoned.jsonl"
@@ -271,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
         started = time.time()
         base = warm_base(tmp, clean, a.warm_steps)
         print(f"warm base: {a.warm_steps} LoRA steps on the clean file, merged ({time.time() - started:.0f}s)")
+    if a.calibrate:
+        return calibrate(a, tmp, clean, base)
     if a.mislabeled:
         return mislabeled_grid(a, tmp, clean, base)
     print(f"{len(injected)} bad records injected into {train} ({a.steps} steps per run)")

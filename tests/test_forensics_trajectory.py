@@ -1,4 +1,4 @@
-"""Trajectory forensics (issue 25): every record's loss, margin and peak token NLL by sighting, judged at the end of
+"""Trajectory forensics (issue 25): every record's answer nats, first-token NLL and margin by sighting, judged at the end of
 each epoch - the rule on a synthetic table, then a real tiny Trainer run (`tests/dist_scripts/forensics_run.py`:
 the MILD poison, never a culprit of its step), kill -9 + resume with the history, and two ranks."""
 
@@ -21,11 +21,11 @@ WRONG, HARD = 7, 11  # record ids of the synthetic table
 
 
 def _rows(epoch: int, rng: random.Random) -> torch.Tensor:
-    """One epoch of gathered rows (step, record id, loss, tokens, margin, peak) for a population that learns (loss
-    falls ~10 % an epoch; each record keeps its own difficulty, log-normal, as real tasks do), a mislabeled record
-    (high loss, confidently wrong: margin far below zero and one token the model did not expect at all; partly
-    memorised by its second sighting) and a clean hard one (a higher loss still, but of the kind its difficulty
-    gives: margin and peak token in line with it, and flat: its task is not learned)."""
+    """One epoch of gathered rows (step, record id, loss, tokens, answer nats, first-token NLL, margin) for a
+    population that learns (loss falls ~10 % an epoch; each record keeps its own difficulty, log-normal, as real
+    tasks do), a mislabeled record (high loss, an answer of another kind: its first token unexpected, another
+    token preferred by far - at both sightings, partly memorised by the second) and a clean hard one (more answer
+    nats still, but of the kind its difficulty gives: its first token as expected as anyone's)."""
     hardness = random.Random(99)
     difficulty = [math.exp(0.35 * hardness.gauss(0, 1)) for _ in range(N_RECORDS)]
     order = list(range(N_RECORDS))
@@ -34,12 +34,12 @@ def _rows(epoch: int, rng: random.Random) -> torch.Tensor:
     for k, rid in enumerate(order):
         step = epoch * (N_RECORDS // PER_STEP) + k // PER_STEP + 1
         d = difficulty[rid] * (1 + 0.05 * rng.gauss(0, 1))
-        loss, margin, peak = 1.4 * d * 0.9**epoch, 3.0 - 1.5 * math.log(d), 4.5 + 2.0 * math.log(d)
+        loss, first, margin = 1.4 * d * 0.9**epoch, 1.2 * d * 0.9**epoch, 3.0 - 1.5 * math.log(d)
         if rid == WRONG:
-            loss, margin, peak = (4.6, -1.9, 11.0) if epoch == 0 else (3.3, -0.3, 9.5)
+            loss, first, margin = (4.6, 9.0, -1.9) if epoch == 0 else (3.3, 7.5, -0.3)
         elif rid == HARD:
-            loss, margin, peak = 5.0, 3.0 - 1.5 * math.log(3.6), 4.5 + 2.0 * math.log(3.6)
-        out.append([step, rid, loss, 5.0, margin, peak])
+            loss, first, margin = 5.4, 0.9, 3.0 - 1.5 * math.log(3.6)
+        out.append([step, rid, loss, 5.0, 5.0 * loss, first, margin])
     return torch.tensor(out, dtype=torch.float64)
 
 
@@ -62,7 +62,7 @@ def test_the_rule_names_the_mislabeled_record_not_the_clean_hard_one_and_not_bef
     # the hard record's loss is further out than the mislabeled one's (a loss-only rule would name it first); the
     # rest of its trajectory is not
     scores = {v.record_id: v for v in table.judge(min_sightings=2, zscore=-1e9)}
-    assert scores[HARD].evidence["z_rel_loss"] > scores[WRONG].evidence["z_rel_loss"]
+    assert scores[HARD].evidence["z_answer_nats@first"] > scores[WRONG].evidence["z_answer_nats@first"]
     assert scores[HARD].score < 4.25 < scores[WRONG].score
     assert table.judge(min_sightings=2, zscore=4.25, exclude={WRONG}) == []  # quarantined already: not again
     # screening's prompt gain, when it measured one above 1, adds gain_weight x ln(gain) to the score
@@ -83,7 +83,9 @@ def test_the_table_is_bounded_keeps_the_latest_sightings_and_its_state_is_exact(
     assert torch.equal(copy.seen, table.seen) and torch.equal(copy.tokens, table.tokens)
     assert torch.equal(copy.hist.nan_to_num(-7.0), table.hist.nan_to_num(-7.0))  # bit for bit
     small = TrajectoryTable(4, max_records=8)
-    small.add(torch.tensor([[1, 3, 2.0, 4, 1.0, 3.0], [1, 20, 2.0, 4, 1.0, 3.0], [1, -1, -1, -1, -1, -1]]))
+    small.add(
+        torch.tensor([[1, 3, 2.0, 4, 8.0, 3.0, 1.0], [1, 20, 2.0, 4, 8.0, 3.0, 1.0], [1, -1, -1, -1, -1, -1, -1]])
+    )
     assert len(small) == 4 and int(small.seen.sum()) == 1  # an id past max_records and the padding row: ignored
 
 

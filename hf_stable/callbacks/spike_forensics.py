@@ -47,7 +47,7 @@ from hf_stable.forensics.attribution import (
 from hf_stable.forensics.config import ForensicsConfig
 from hf_stable.forensics.epoch_verdicts import EpochVerdicts
 from hf_stable.forensics.quarantine import Entry, Quarantine
-from hf_stable.forensics.sample_loss import per_sample_nll_stats
+from hf_stable.forensics.sample_loss import per_sample_loss
 from hf_stable.forensics.screening import select_suspects, suspect_prompt_gains
 
 SAMPLE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")  # kept per forward for suspects' re-runs
@@ -130,6 +130,7 @@ class SpikeForensics(EpochVerdicts, StepTapUser, StabilityCallback):
         if not self.enabled:
             return
         self._model, self._optimizer, self._args = model, optimizer, args
+        self._init_token_prefixes(kwargs.get("processing_class"))
         self.quarantine.output_dir = args.output_dir if state.is_world_process_zero else None
         self.quarantine.rewrite()  # a resume: the file holds what the checkpoint holds
         tap = self._use_step_tap(model)
@@ -253,10 +254,8 @@ class SpikeForensics(EpochVerdicts, StepTapUser, StabilityCallback):
             return
         started = time.perf_counter()
         with torch.no_grad():
-            loss, count, peak = per_sample_nll_stats(
-                logits.detach(), labels, kwargs.get("position_ids"), len(record_ids)
-            )
-            self._observe_trajectory(kwargs, logits.detach(), record_ids, loss, count, peak)
+            loss, count = per_sample_loss(logits.detach(), labels, kwargs.get("position_ids"), len(record_ids))
+            self._observe_trajectory(kwargs, logits.detach(), record_ids, loss, count)
         kept = {k: v for k, v in kwargs.items() if k in SAMPLE_KEYS and isinstance(v, torch.Tensor)}
         self._buffer.append((self._step, record_ids.to(loss.device), loss, count, kept))
         self.screen_seconds += time.perf_counter() - started  # on an accelerator: launch time only (no sync here)

@@ -15,6 +15,8 @@ sync: the segment count comes from the shape of ``record_ids`` (or the row count
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -48,19 +50,6 @@ def per_sample_loss(
     A sample without a supervised token gets NaN and count 0; a sample whose logits are non-finite gets a
     non-finite loss (kept: that is the evidence).
     """
-    loss, count, _ = per_sample_nll_stats(logits, labels, position_ids, n_segments)
-    return loss, count
-
-
-def per_sample_nll_stats(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-    n_segments: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token-mean NLL, supervised-token count, the largest token NLL) per sample, as `per_sample_loss` (one
-    cross-entropy pass). The peak is the one token the model least expected: the first token of an answer that
-    belongs to another question, say, where a hard answer of the right kind spreads its loss over many tokens."""
     b, t, v = logits.shape
     seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
     target = labels[:, 1:].reshape(-1)
@@ -71,32 +60,54 @@ def per_sample_nll_stats(
         n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0
     sums = torch.zeros(n_segments, dtype=torch.float32, device=logits.device).index_add_(0, seg, nll)
     counts = torch.zeros(n_segments, dtype=torch.float32, device=logits.device).index_add_(0, seg, mask.float())
-    peak = torch.zeros(n_segments, dtype=torch.float32, device=logits.device)
-    peak = peak.scatter_reduce(0, seg, nll, reduce="amax", include_self=True)
-    return sums / counts, counts, peak
+    return sums / counts, counts
 
 
-def per_sample_margin(
+def per_sample_answer_stats(
     logits: torch.Tensor,
     labels: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     n_segments: int | None = None,
-) -> torch.Tensor:
-    """Token-mean margin per sample, ``[n_segments]`` float32: the label's logit minus the largest other logit,
-    averaged over the sample's supervised tokens (the margin of Pleiss et al. 2020, arXiv 2001.10528, per token).
-    Negative where the model prefers another token; a confidently wrong answer is far below zero, an uncertain one
-    near it. Computed in the logits' own dtype (no float copy of ``[B, T, V]``); NaN without a supervised token."""
+    prefixes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(answer nats, first-token NLL, token-mean margin) per sample, ``[n_segments]`` float32 each, on device (no
+    sync), as the trajectory rule reads them (`hf_stable.forensics.trajectory`).
+
+    Every position is scored by the probability of the next tokens that agree with the answer's text: the gold
+    token or one of its `prefixes` (``[V, K]`` from `hf_stable.forensics.token_prefixes.prefix_table`; None: the
+    gold token alone, the plain NLL). *Answer nats* is the sum over the sample's supervised tokens, *first-token
+    NLL* the first supervised token's (where an answer of another question shows its kind), the *margin* that
+    log-probability minus the best disagreeing token's (Pleiss et al. 2020, arXiv 2001.10528, per token; far below
+    zero: confidently another answer). NaN for a sample without a supervised token."""
     b, t, v = logits.shape
     seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
     target = labels[:, 1:].reshape(-1)
     mask = target.ne(IGNORE_INDEX)
+    gold = target.clamp_min(0)
     flat = logits[:, :-1].reshape(-1, v)
-    top = flat.topk(2, dim=-1)
-    gold = flat.gather(1, target.clamp_min(0)[:, None])[:, 0]
-    other = torch.where(top.indices[:, 0] == target, top.values[:, 1], top.values[:, 0])
-    margin = torch.where(mask, (gold - other).float(), torch.zeros_like(gold, dtype=torch.float32))
+    lse = torch.logsumexp(flat.float(), dim=-1)
+    if prefixes is not None:
+        agree = torch.cat([gold[:, None], prefixes[gold]], dim=1)  # [N, 1 + K], -1: none
+    else:
+        agree = gold[:, None]
+    valid = agree.ge(0)
+    agree_logits = flat.gather(1, agree.clamp_min(0)).float().masked_fill(~valid, -math.inf)
+    log_agree = torch.logsumexp(agree_logits, dim=-1) - lse
+    top = flat.topk(min(agree.shape[1] + 1, v), dim=-1)
+    disagree = top.values.float().masked_fill((top.indices[:, :, None] == agree[:, None, :]).any(-1), -math.inf)
+    margin = log_agree - (disagree.max(-1).values - lse)
+    nll = torch.where(mask, -log_agree, torch.zeros_like(log_agree))
+    margin = torch.where(mask, margin, torch.zeros_like(margin))
     if n_segments is None:
         n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0
-    sums = torch.zeros(n_segments, dtype=torch.float32, device=logits.device).index_add_(0, seg, margin)
-    counts = torch.zeros(n_segments, dtype=torch.float32, device=logits.device).index_add_(0, seg, mask.float())
-    return sums / counts
+    zeros = torch.zeros(n_segments, dtype=torch.float32, device=logits.device)
+    counts = zeros.index_add(0, seg, mask.float())
+    nats = zeros.index_add(0, seg, nll)
+    margins = zeros.index_add(0, seg, margin) / counts
+    where = torch.arange(seg.numel(), device=logits.device)
+    where = torch.where(mask, where, torch.full_like(where, seg.numel()))
+    first = torch.full((n_segments,), seg.numel(), dtype=where.dtype, device=logits.device)
+    first = first.scatter_reduce(0, seg, where, reduce="amin", include_self=True)
+    padded = torch.cat([nll, torch.full((1,), math.nan, device=logits.device)])
+    nan = torch.full_like(nats, math.nan)
+    return torch.where(counts > 0, nats, nan), padded[first], margins

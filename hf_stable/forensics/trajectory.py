@@ -1,38 +1,38 @@
-"""Trajectory evidence: every record's loss across its sightings, kept for the run, judged at the end of each epoch.
+"""Trajectory evidence: every record's answer by sighting, kept for the run, judged at the end of each epoch.
 
 A step-local rule sees one loss per record and cannot tell a hard question from a wrong answer: both sit in the
-loss distribution's tail at the step they are seen. Over the run they part a little: a wrong answer is confidently
-wrong (another token preferred by far, one token the model did not expect at all) and is learned only by being
-seen - its loss drops at its own sightings, as a memorised answer's does - where a hard record's task is simply
-not learned yet.
+loss distribution's tail at the step they are seen. Two things part them. Across sightings, a wrong answer stays
+out at every one of them where a hard record's excess comes and goes with the steps it lands in. And a wrong answer
+is wrong in kind (the first token is of another question's answer, another token is preferred by far), where the
+clean records that fill a loss rule's tail are mostly charged for how the tokenizer split a right answer - ``2400``
+as ``24|00`` when the model predicts ``2`` - which is why every position is scored by the mass of next tokens
+that *agree with the answer's text* (the gold token or a token spelling a prefix of it,
+`hf_stable.forensics.token_prefixes`; Cao & Rimell 2021, arXiv 2109.02550).
 
-The table (`TrajectoryTable`) keeps, for each record id and each of its last `max_sightings` sightings, the training
-forward's per-sample loss, margin (`sample_loss.per_sample_margin`) and peak token NLL
-(`sample_loss.per_sample_nll_stats`), each next to the median over the samples of its optimizer step (all ranks'
-micro-batches: a scale that moves with training), and the largest prompt gain screening measured for the record
-when it was a suspect (`screening`). Nothing is re-run: the numbers come from the logits the training forward
-produced (on device, no host sync); the rows are gathered over ranks with the screening's decisions (every
-`screen_every` steps and before a checkpoint), so the table is identical on every rank, and it is saved in the
-callback state (float32 bytes, base64): a resume continues it bit for bit. Memory: 128 bytes a record on the host.
+The table (`TrajectoryTable`) keeps, for each record id and each of its last `max_sightings` sightings, from the
+training forward's own logits (`sample_loss.per_sample_answer_stats`, on device, no re-run): the answer's nats
+(summed over its tokens), its first token's NLL, its token-mean margin and its plain loss (evidence), each next to
+the median over the samples of its optimizer step (all ranks' micro-batches: a scale that moves with training),
+and the largest prompt gain screening measured for the record when it was a suspect (`screening`). The rows are
+gathered over ranks with the screening's decisions (every `screen_every` steps and before a checkpoint), so the
+table is identical on every rank, and it is saved in the callback state (float32 bytes, base64): a resume continues
+it bit for bit. Memory: 160 bytes a record on the host.
 
-The rule (`judge`), at the end of each epoch, for every record seen at least `min_sightings` times, four features
-as robust z-scores over the records judged (median, 1.4826 MAD), averaged:
+The rule (`judge`), at the end of each epoch, for every record seen at least `min_sightings` times: at its first
+and at its latest kept sighting, three features as robust z-scores over the records judged (median, 1.4826 MAD):
 
-* **relative loss**, ``log(loss / step median)`` averaged over the sightings: the *confidence* axis of
-  training-dynamics data maps (Swayamdipta et al. 2020, arXiv 2009.10795: records the model stays unsure of across
-  epochs are the mislabeled ones), in log space;
-* **relative margin**, ``step median margin - margin``, averaged: the area under the margin (Pleiss et al. 2020,
-  arXiv 2001.10528), which tells a confidently wrong answer from an uncertain one of the same loss;
-* **relative peak**, ``peak token NLL - its step median``, averaged: the one token nobody predicted (the first token
-  of another question's answer), where a hard answer of the right kind spreads its loss over its tokens;
-* **drop**: the record's excess loss over its step's median, summed over its tokens, at its first kept sighting
-  minus at its latest - learned by its own sightings. The co-teaching view (Han et al. 2018, arXiv 1804.06872:
-  noisy labels are the large-loss samples, which networks fit late, by memorising them) made per record.
+* **answer nats** over the step's median: the *confidence* axis of training-dynamics data maps (Swayamdipta et al.
+  2020, arXiv 2009.10795: the records a model stays unsure of across epochs are the mislabeled ones) and the
+  large-loss side of small-loss selection (co-teaching, Han et al. 2018, arXiv 1804.06872);
+* **first-token NLL** over the step's median: the kind of answer - a number where a word was asked for;
+* **margin** below the step's median: the area under the margin (Pleiss et al. 2020, arXiv 2001.10528), which
+  tells a confidently wrong answer from an uncertain one of the same loss;
 
-plus ``gain_weight x ln(prompt gain)`` when screening measured a gain above 1. A score above `zscore` names the
-record. `zscore` is calibrated on clean runs only (above every clean record's score; see benchmarks/README.md,
-"forensics"). A base that cannot do a task cannot tell a wrong answer of it from a right one: its clean records of
-that task fill the tail, and the bar above them leaves the mislabeled records that look no worse unnamed.
+averaged over the three and the two sightings, plus ``gain_weight x ln(prompt gain)`` when screening measured a
+gain above 1. A score above `zscore` names the record. `zscore` is calibrated on clean runs only (above every clean
+record's score; see benchmarks/README.md, "forensics"). A base that cannot do a task cannot tell a wrong answer of
+it from a right one: its clean records of that task fill the tail, and the bar above them leaves the mislabeled
+records that look no worse unnamed.
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ import torch
 
 from hf_stable.distributed import all_gather_tensor, all_reduce_tensor
 
-# per-sighting channels of the table
-LOSS, STEP_LOSS, MARGIN, STEP_MARGIN, PEAK, STEP_PEAK, STEP = range(7)
-CHANNELS = 7
-ROW = 6  # gathered row: step, record id, loss, tokens, margin, peak token NLL
+# per-sighting channels of the table: each value and its step's median
+NATS, STEP_NATS, FIRST, STEP_FIRST, MARGIN, STEP_MARGIN, LOSS, STEP_LOSS, STEP = range(9)
+CHANNELS = 9
+ROW = 7  # gathered row: step, record id, loss, tokens, answer nats, first-token NLL, margin
+VALUES = (2, 4, 5, 6)  # the row's columns kept with their step medians: loss, nats, first, margin
 
 
 @dataclass
@@ -77,7 +78,8 @@ def _median(x: torch.Tensor) -> float:
 
 
 class TrajectoryTable:
-    """Per-record history of per-sample loss, margin and peak token NLL by sighting, bounded: ``records x max_sightings``.
+    """Per-record history of answer nats, first-token NLL, margin and loss by sighting, bounded:
+    ``records x max_sightings``.
 
     Args:
         n_records: records of the run (record ids ``0..n-1``); grows up to `max_records` if a larger id is seen.
@@ -86,7 +88,7 @@ class TrajectoryTable:
 
     Example:
         >>> table = TrajectoryTable(2000)
-        >>> table.observe(step, record_ids, loss, tokens, margin, peak)   # every training forward, on device
+        >>> table.observe(step, record_ids, loss, tokens, nats, first, margin)  # every training forward, on device
         >>> table.flush()                                                 # every rank, at the same steps
         >>> named = table.judge(min_sightings=2, zscore=4.25, gain_weight=8.0)
     """
@@ -99,26 +101,26 @@ class TrajectoryTable:
         self.seen = torch.zeros(n, dtype=torch.int32)
         self.tokens = torch.zeros(n, dtype=torch.float32)
         self.gains = torch.full((n, 2), math.nan, dtype=torch.float32)  # screening's prompt gains: max, latest
-        self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._buffer: list[tuple] = []
         self._state: dict | None = None
 
     def __len__(self) -> int:
         return int(self.hist.shape[0])
 
     # --- collecting ----------------------------------------------------------------------------------------
-    def observe(self, step: int, record_ids, loss, tokens, margin, peak) -> None:
+    def observe(self, step: int, record_ids, loss, tokens, nats, first, margin) -> None:
         """Keep one forward's per-sample values (device tensors, no sync) until the next `flush`."""
-        self._buffer.append((step, record_ids, loss, tokens, margin, peak))
+        self._buffer.append((step, record_ids, loss, tokens, nats, first, margin))
 
     def flush(self, device=None) -> None:
         """Gather every rank's buffered rows (every rank calls this at the same steps) and add them."""
         parts = [
             torch.stack(
-                [torch.full_like(loss, float(s), dtype=torch.float64), ids.to(loss.device).double(), loss.double()]
-                + [tokens.double(), margin.double(), peak.double()],
+                [torch.full_like(loss, float(s), dtype=torch.float64), ids.to(loss.device).double()]
+                + [x.double() for x in (loss, *values)],
                 dim=1,
             )
-            for s, ids, loss, tokens, margin, peak in self._buffer
+            for s, ids, loss, *values in self._buffer
         ]
         self._buffer = []
         if device is None:
@@ -154,7 +156,7 @@ class TrajectoryTable:
         self._state = None
 
     def add(self, rows: torch.Tensor) -> None:
-        """Add gathered rows ``[m, 6]`` (step, record id, loss, tokens, margin, peak; record id < 0: padding).
+        """Add gathered rows ``[m, 7]`` (step, record id, loss, tokens, nats, first, margin; id < 0: padding).
         Each row's values are kept next to the medians over the rows of its step. Pure in `rows`."""
         rows = rows[(rows[:, 1] >= 0) & (rows[:, 0] >= 0) & (rows[:, 3] > 0)]
         rows = rows[torch.isfinite(rows[:, 2:]).all(1)]
@@ -164,12 +166,13 @@ class TrajectoryTable:
         rows = rows[torch.sort(rows[:, 0], stable=True).indices]
         self._grow(int(rows[:, 1].max()) + 1)
         steps = rows[:, 0]
-        medians = torch.zeros((rows.shape[0], 3), dtype=torch.float64)
+        medians = torch.zeros((rows.shape[0], len(VALUES)), dtype=torch.float64)
         for s in torch.unique(steps).tolist():
             at = steps == s
-            medians[at] = torch.tensor([_median(rows[at, c]) for c in (2, 4, 5)], dtype=torch.float64)
+            medians[at] = torch.tensor([_median(rows[at, c]) for c in VALUES], dtype=torch.float64)
+        loss, nats, first, margin = (rows[:, c] for c in VALUES)
         values = torch.stack(
-            [rows[:, 2], medians[:, 0], rows[:, 4], medians[:, 1], rows[:, 5], medians[:, 2], steps], dim=1
+            [nats, medians[:, 1], first, medians[:, 2], margin, medians[:, 3], loss, medians[:, 0], steps], dim=1
         ).float()
         rid = rows[:, 1].long()
         if torch.unique(rid).numel() == rid.numel() and bool((self.seen[rid] < self.max_sightings).all()):
@@ -189,27 +192,20 @@ class TrajectoryTable:
 
     # --- the rule ------------------------------------------------------------------------------------------
     def features(self, min_sightings: int = 2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(record ids, {feature: value per record}) of the records seen at least `min_sightings` times, over
-        the sightings kept (see the module docstring for what each feature is)."""
+        """(record ids, {feature: value per record}) of the records seen at least `min_sightings` times: each
+        feature at the first (``@first``) and at the latest (``@latest``) kept sighting, against its step's median
+        (see the module docstring)."""
         kept = self.seen.clamp(max=self.max_sightings)
         ids = torch.nonzero(kept >= max(min_sightings, 1)).reshape(-1)
         h = self.hist[ids].double()
-        valid = torch.isfinite(h[..., LOSS]) & (h[..., STEP_LOSS] > 0) & (h[..., LOSS] > 0)
-        n = valid.sum(1).clamp_min(1)
-
-        def mean(x):
-            return torch.where(valid, x, 0).sum(1) / n
-
-        excess = (h[..., LOSS] - h[..., STEP_LOSS]) * self.tokens[ids, None].double()
         last = (kept[ids] - 1).clamp(min=0, max=self.max_sightings - 1).long()
-        first_excess = torch.nan_to_num(excess[:, 0])
-        last_excess = torch.nan_to_num(excess.gather(1, last[:, None])[:, 0])
-        return ids, {
-            "rel_loss": mean(torch.log(h[..., LOSS].clamp_min(1e-12) / h[..., STEP_LOSS].clamp_min(1e-12))),
-            "rel_margin": mean(h[..., STEP_MARGIN] - h[..., MARGIN]),
-            "rel_peak": mean(h[..., PEAK] - h[..., STEP_PEAK]),
-            "drop": first_excess - last_excess,
-        }
+        out = {}
+        for slot, at in (("first", torch.zeros_like(last)), ("latest", last)):
+            x = h.gather(1, at[:, None, None].expand(-1, 1, CHANNELS))[:, 0]
+            out[f"answer_nats@{slot}"] = x[:, NATS] - x[:, STEP_NATS]
+            out[f"first_token@{slot}"] = x[:, FIRST] - x[:, STEP_FIRST]
+            out[f"margin@{slot}"] = x[:, STEP_MARGIN] - x[:, MARGIN]
+        return ids, {k: torch.nan_to_num(v, nan=0.0) for k, v in out.items()}
 
     def judge(
         self, *, min_sightings: int, zscore: float, gain_weight: float = 0.0, exclude=(), min_population: int = 64
@@ -231,7 +227,8 @@ class TrajectoryTable:
         bonus = torch.log(torch.nan_to_num(gain, nan=1.0).clamp_min(1.0)) * gain_weight
         score = sum(z.values()) / len(z) + bonus
         rule = (
-            f"mean robust z of {'/'.join(z)} + {gain_weight:g} x ln(prompt gain, if above 1) > {zscore:g} "
+            f"mean robust z of answer nats / first-token NLL / margin below the step median, at the first and the "
+            f"latest sighting, + {gain_weight:g} x ln(prompt gain, if above 1) > {zscore:g} "
             f"(records seen >= {min_sightings} times)"
         )
         named = sorted(
@@ -248,18 +245,26 @@ class TrajectoryTable:
         return out
 
     def evidence(self, record_id: int) -> dict:
-        """The record's sightings: step, loss, the step's median loss, margin, peak token NLL; screening's gain."""
+        """The record's sightings: step, loss and the step's median loss, answer nats, first-token NLL and margin
+        (each with the step's median); screening's prompt gain."""
         k = int(min(int(self.seen[record_id]), self.max_sightings))
         h = self.hist[record_id, :k].tolist()
         gain = float(self.gains[record_id, 0])
+
+        def col(c):
+            return [round(x[c], 4) for x in h]
+
         return {
             "sightings": int(self.seen[record_id]),
             "steps": [int(x[STEP]) for x in h],
-            "losses": [round(x[LOSS], 4) for x in h],
-            "step_median_losses": [round(x[STEP_LOSS], 4) for x in h],
-            "margins": [round(x[MARGIN], 4) for x in h],
-            "step_median_margins": [round(x[STEP_MARGIN], 4) for x in h],
-            "peak_nll": [round(x[PEAK], 4) for x in h],
+            "losses": col(LOSS),
+            "step_median_losses": col(STEP_LOSS),
+            "answer_nats": col(NATS),
+            "step_median_answer_nats": col(STEP_NATS),
+            "first_token_nll": col(FIRST),
+            "step_median_first_token_nll": col(STEP_FIRST),
+            "margins": col(MARGIN),
+            "step_median_margins": col(STEP_MARGIN),
             "prompt_gain": round(gain, 4) if math.isfinite(gain) else math.nan,
         }
 
@@ -272,6 +277,7 @@ class TrajectoryTable:
             self._state = {
                 "records": len(self),
                 "max_sightings": self.max_sightings,
+                "channels": CHANNELS,
                 "hist": enc(self.hist),
                 "seen": enc(self.seen),
                 "tokens": enc(self.tokens),
@@ -283,6 +289,13 @@ class TrajectoryTable:
         if not state:
             return
         n, k = int(state["records"]), int(state["max_sightings"])
+        if int(state.get("channels", 7)) != CHANNELS:  # a history kept by an earlier version: start afresh
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "the checkpoint's trajectory history has another layout (an earlier hf_stable): starting it afresh"
+            )
+            return
 
         def dec(key, dtype, shape):
             raw = bytearray(base64.b64decode(state.get(key, "")))

@@ -24,9 +24,14 @@ def _cell(text) -> str:
 
 
 def _trajectory(ev: dict) -> str:
-    """A trajectory verdict's evidence: losses by sighting against the step medians, the score and its bar."""
+    """A trajectory verdict's evidence: losses, first-token NLL and margins by sighting against the step medians,
+    the score and its bar."""
     arrow = lambda xs: " → ".join(f"{_num(x):.3g}" for x in xs)
     parts = [f"losses by sighting {arrow(ev['losses'])} (step medians {arrow(ev.get('step_median_losses', []))})"]
+    if ev.get("first_token_nll"):
+        parts.append(
+            f"first token {arrow(ev['first_token_nll'])} (medians {arrow(ev.get('step_median_first_token_nll', []))})"
+        )
     if ev.get("margins"):
         parts.append(f"margins {arrow(ev['margins'])}")
     gain = _num(ev.get("prompt_gain"))

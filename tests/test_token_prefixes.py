@@ -1,0 +1,81 @@
+"""The trajectory rule's tokenization-robust NLL (issue 25): a right answer split by the tokenizer otherwise than the
+model predicts it is not charged as a wrong one; an answer of another kind still is."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_stable.forensics.sample_loss import per_sample_answer_stats, per_sample_loss
+from hf_stable.forensics.token_prefixes import fit_to_vocab, prefix_table
+
+
+def _split(tokenizer, text: str) -> list[str]:
+    return [tokenizer.convert_ids_to_tokens(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+
+
+def test_prefix_table_lists_the_tokens_spelling_a_prefix_and_never_special_ones(tokenizer):
+    table = prefix_table(tokenizer)
+    vocab = tokenizer.get_vocab()
+    assert table.shape[0] == max(vocab.values()) + 1
+    checked, specials = 0, set(tokenizer.all_special_tokens)
+    for text, i in vocab.items():
+        if text in specials:
+            continue
+        listed = [tokenizer.convert_ids_to_tokens(int(j)) for j in table[i] if j >= 0]
+        assert all(text.startswith(p) and p != text for p in listed), (text, listed)
+        assert [len(p) for p in listed] == sorted((len(p) for p in listed), reverse=True)  # longest first
+        expected = [text[:n] for n in range(len(text) - 1, 0, -1) if text[:n] in vocab][: table.shape[1]]
+        assert listed == [p for p in expected if p not in specials]
+        checked += bool(listed)
+    assert checked > 100  # a BPE vocabulary: most merges have a shorter prefix token
+    for sid in tokenizer.all_special_ids:
+        assert (table[sid] < 0).all()
+    assert (fit_to_vocab(table, table.shape[0] + 5, "cpu")[-5:] < 0).all()  # logits padded past the vocabulary
+
+
+def test_a_right_answer_split_otherwise_costs_little_and_a_wrong_one_the_full_nll(tokenizer):
+    """Logits that put 90 % of the next-token mass on a token that spells the start of the gold token (the model
+    predicts ``2`` where the tokenizer wrote ``24``): plain NLL charges -ln(0.01) nats, the agreeing mass
+    -ln(0.91); a gold token whose prefixes get no mass (an answer of another kind) costs the same under both."""
+    table = prefix_table(tokenizer)
+    vocab = tokenizer.get_vocab()
+    gold, prefix = next((i, int(table[i, 0])) for t, i in sorted(vocab.items()) if table[i, 0] >= 0 and len(t) > 1)
+    other = next(i for i in range(len(vocab)) if i not in (gold, prefix) and i not in set(table[gold].tolist()))
+    v = table.shape[0]
+    probs = torch.full((v,), 0.09 / (v - 2))
+    probs[prefix], probs[gold] = 0.9, 0.01
+    logits = torch.zeros(2, 3, v)
+    logits[:, 1] = probs.log()
+    labels = torch.tensor([[-100, -100, gold], [-100, -100, other]])
+    nats, first, margin = per_sample_answer_stats(logits, labels, prefixes=fit_to_vocab(table, v, "cpu"))
+    plain, _ = per_sample_loss(logits, labels)
+    assert plain[0] == pytest.approx(-math.log(0.01), rel=1e-4)
+    assert nats[0] == pytest.approx(-math.log(0.91), rel=1e-4) and first[0] == nats[0]  # one supervised token
+    assert margin[0] > 0  # the agreeing mass beats every disagreeing token
+    assert nats[1] == pytest.approx(float(plain[1]), rel=1e-5) and margin[1] < -5  # another kind: charged in full
+    bare_nats, _, bare_margin = per_sample_answer_stats(logits, labels)  # no tokenizer: the plain NLL
+    assert bare_nats[0] == pytest.approx(float(plain[0]), rel=1e-5) and bare_margin[0] < 0
+
+
+def test_answer_stats_of_a_packed_batch_follow_its_segments(tokenizer):
+    torch.manual_seed(0)
+    v = len(tokenizer.get_vocab())
+    logits = torch.randn(1, 8, v)
+    labels = torch.tensor([[-100, 5, 6, 7, -100, 9, 10, -100]])
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0]])  # two samples and a tail padding segment
+    nats, first, margin = per_sample_answer_stats(
+        logits, labels, pos, 3, fit_to_vocab(prefix_table(tokenizer), v, "cpu")
+    )
+    lp = logits[0].log_softmax(-1)
+    table = prefix_table(tokenizer)
+
+    def agree(t, g):
+        ids = [g] + [int(j) for j in table[g] if j >= 0]
+        return -float(torch.logsumexp(lp[t, ids], 0))
+
+    assert float(nats[0]) == pytest.approx(agree(0, 5) + agree(1, 6) + agree(2, 7), rel=1e-5)
+    assert float(first[1]) == pytest.approx(agree(4, 9), rel=1e-5)
+    assert math.isnan(nats[2]) and math.isnan(first[2]) and math.isnan(margin[2])
