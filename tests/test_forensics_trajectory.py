@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_stable.forensics.config import ForensicsConfig
 from hf_stable.forensics.quarantine import read_quarantine
 from hf_stable.forensics.trajectory import LOSS, TrajectoryTable
 from tests.dist_scripts.forensics_run import MILD, TRAJECTORY, build, position_of, read_result, run_script
 
 N_RECORDS, PER_STEP = 256, 16
+BAR = ForensicsConfig().trajectory_zscore  # the calibrated default
 WRONG, HARD = 7, 11  # record ids of the synthetic table
 
 
@@ -38,7 +40,7 @@ def _rows(epoch: int, rng: random.Random) -> torch.Tensor:
         if rid == WRONG:
             loss, first, margin = (4.6, 9.0, -1.9) if epoch == 0 else (3.3, 7.5, -0.3)
         elif rid == HARD:
-            loss, first, margin = 5.4, 0.9, 3.0 - 1.5 * math.log(3.6)
+            loss, first, margin = 5.0, 0.9, 3.0 - 1.5 * math.log(1.5)
         out.append([step, rid, loss, 5.0, 5.0 * loss, first, margin])
     return torch.tensor(out, dtype=torch.float64)
 
@@ -52,23 +54,23 @@ def _table(epochs: int = 2) -> TrajectoryTable:
 
 
 def test_the_rule_names_the_mislabeled_record_not_the_clean_hard_one_and_not_before_two_sightings():
-    assert _table(1).judge(min_sightings=2, zscore=4.25) == []  # one sighting: not enough evidence yet
+    assert _table(1).judge(min_sightings=2, zscore=BAR) == []  # one sighting: not enough evidence yet
     table = _table(2)
-    verdicts = table.judge(min_sightings=2, zscore=4.25)
+    verdicts = table.judge(min_sightings=2, zscore=BAR)
     assert [v.record_id for v in verdicts] == [WRONG]
     ev = verdicts[0].evidence
     assert ev["losses"] == [4.6, 3.3] and ev["sightings"] == 2 and len(ev["step_median_losses"]) == 2
-    assert ev["score"] > ev["threshold"] == 4.25 and "rule" in ev and ev["population"]["records"] == N_RECORDS
+    assert ev["score"] > ev["threshold"] == BAR and "rule" in ev and ev["population"]["records"] == N_RECORDS
     # the hard record's loss is further out than the mislabeled one's (a loss-only rule would name it first); the
     # rest of its trajectory is not
     scores = {v.record_id: v for v in table.judge(min_sightings=2, zscore=-1e9)}
     assert scores[HARD].evidence["z_answer_nats@first"] > scores[WRONG].evidence["z_answer_nats@first"]
-    assert scores[HARD].score < 4.25 < scores[WRONG].score
-    assert table.judge(min_sightings=2, zscore=4.25, exclude={WRONG}) == []  # quarantined already: not again
+    assert scores[HARD].score < BAR < scores[WRONG].score
+    assert table.judge(min_sightings=2, zscore=BAR, exclude={WRONG}) == []  # quarantined already: not again
     # screening's prompt gain, when it measured one above 1, adds gain_weight x ln(gain) to the score
     table.note_gains([HARD, WRONG], [1.5, 0.8])
     scored = {v.record_id: v.score for v in table.judge(min_sightings=2, zscore=-1e9, gain_weight=8.0)}
-    assert scored[HARD] == pytest.approx(scores[HARD].score + 8.0 * math.log(1.5), abs=1e-6) and scored[HARD] > 4.25
+    assert scored[HARD] == pytest.approx(scores[HARD].score + 8.0 * math.log(1.5), abs=1e-6) and scored[HARD] > BAR
     assert scored[WRONG] == pytest.approx(scores[WRONG].score, abs=1e-6)
 
 

@@ -79,3 +79,30 @@ def test_answer_stats_of_a_packed_batch_follow_its_segments(tokenizer):
     assert float(nats[0]) == pytest.approx(agree(0, 5) + agree(1, 6) + agree(2, 7), rel=1e-5)
     assert float(first[1]) == pytest.approx(agree(4, 9), rel=1e-5)
     assert math.isnan(nats[2]) and math.isnan(first[2]) and math.isnan(margin[2])
+
+
+def test_the_end_of_turn_token_is_not_answer_text_and_the_forensics_callback_reads_the_trainers_tokenizer(
+    tokenizer, tmp_path
+):
+    """A model unsure where a hard answer stops (the EOS at 12 nats) is not charged for it; the text tokens are."""
+    from hf_stable.callbacks.spike_forensics import ForensicsConfig, SpikeForensics
+    from hf_stable.forensics.token_prefixes import special_ids, text_mask
+
+    v = len(tokenizer.get_vocab())
+    eos, word = tokenizer.eos_token_id, tokenizer.encode("ab", add_special_tokens=False)[0]
+    logits = torch.zeros(1, 4, v)
+    logits[0, 1, word] = 12.0  # the answer's text: expected
+    logits[0, 2, eos] = -12.0  # where it stops: not at all
+    labels = torch.tensor([[-100, -100, word, eos]])
+    text = text_mask(special_ids(tokenizer), v, "cpu")
+    assert not text[eos] and text[word] and int((~text).sum()) == len(set(tokenizer.all_special_ids))
+    with_eos, _, _ = per_sample_answer_stats(logits, labels)
+    text_only, first, _ = per_sample_answer_stats(logits, labels, text=text)
+    assert float(with_eos[0]) > 12 and float(text_only[0]) == pytest.approx(float(first[0]))
+    assert float(text_only[0]) < 0.1
+
+    forensics = SpikeForensics(ForensicsConfig(screen=True))
+    forensics._init_token_prefixes(tokenizer)
+    assert forensics._prefix_source is not None and eos in forensics._special.tolist()
+    forensics._init_token_prefixes(None)  # a Trainer without a processing_class: the plain NLL
+    assert forensics._prefix_source is None and forensics._special is None

@@ -63,7 +63,7 @@ class ForensicsConfig:
         default=2, metadata={"help": "Trajectory rule: only records seen at least this many times (epochs)..."}
     )
     trajectory_zscore: float = field(
-        default=4.25,
+        default=3.25,
         metadata={"help": "... named when their score (mean robust z of the trajectory features) is above this."},
     )
     trajectory_gain_weight: float = field(

@@ -10,7 +10,7 @@ import torch
 
 from hf_stable.forensics.attribution import Culprit, SampleRow
 from hf_stable.forensics.sample_loss import per_sample_answer_stats
-from hf_stable.forensics.token_prefixes import fit_to_vocab, prefix_table
+from hf_stable.forensics.token_prefixes import fit_to_vocab, prefix_table, special_ids, text_mask
 from hf_stable.forensics.trajectory import TrajectoryTable
 
 
@@ -22,6 +22,8 @@ class EpochVerdicts:
     trajectory_seconds = 0.0  # the trajectory's own work (in perf/forensics_screen_s too), perf/forensics_trajectory_s
     _prefixes = None  # [V, K] token ids spelling a prefix of each token (token_prefixes), on the logits' device
     _prefix_source = None  # the tokenizer's table (CPU) until the first forward tells the vocabulary size
+    _special = None  # the tokenizer's special token ids (CPU); _text: [V] bool, the answer-text tokens (device)
+    _text = None
 
     def _init_trajectory(self, cfg, records) -> None:
         self.trajectory = None
@@ -39,12 +41,12 @@ class EpochVerdicts:
         self._epochs_judged = int(state.get("epochs_judged", 0))
 
     def _init_token_prefixes(self, tokenizer) -> None:
-        """The run's tokenizer (the Trainer's `processing_class`): which tokens spell a prefix of which. Without
-        one every position is scored by its gold token alone (the plain NLL)."""
-        self._prefix_source = (
-            prefix_table(tokenizer) if self.trajectory is not None and tokenizer is not None else None
-        )
-        self._prefixes = None
+        """The run's tokenizer (the Trainer's `processing_class`): which tokens spell a prefix of which, and which
+        are special (not answer text). Without one every supervised position is scored by its gold token alone."""
+        used = self.trajectory is not None and tokenizer is not None
+        self._prefix_source = prefix_table(tokenizer) if used else None
+        self._special = special_ids(tokenizer) if used else None
+        self._prefixes = self._text = None
 
     def _observe_trajectory(self, kwargs, logits, record_ids, loss, count) -> None:
         """One training forward's per-sample values into the table's buffer (on device, no sync)."""
@@ -52,8 +54,10 @@ class EpochVerdicts:
             started = time.perf_counter()
             if self._prefixes is None and self._prefix_source is not None:
                 self._prefixes = fit_to_vocab(self._prefix_source, logits.shape[-1], logits.device)
+            if self._text is None and self._special is not None:
+                self._text = text_mask(self._special, logits.shape[-1], logits.device)
             nats, first, margin = per_sample_answer_stats(
-                logits, kwargs["labels"], kwargs.get("position_ids"), len(record_ids), self._prefixes
+                logits, kwargs["labels"], kwargs.get("position_ids"), len(record_ids), self._prefixes, self._text
             )
             self.trajectory.observe(self._step, record_ids, loss, count, nats, first, margin)
             self.trajectory_seconds += time.perf_counter() - started

@@ -69,6 +69,7 @@ def per_sample_answer_stats(
     position_ids: torch.Tensor | None = None,
     n_segments: int | None = None,
     prefixes: torch.Tensor | None = None,
+    text: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(answer nats, first-token NLL, token-mean margin) per sample, ``[n_segments]`` float32 each, on device (no
     sync), as the trajectory rule reads them (`hf_stable.forensics.trajectory`).
@@ -78,12 +79,15 @@ def per_sample_answer_stats(
     gold token alone, the plain NLL). *Answer nats* is the sum over the sample's supervised tokens, *first-token
     NLL* the first supervised token's (where an answer of another question shows its kind), the *margin* that
     log-probability minus the best disagreeing token's (Pleiss et al. 2020, arXiv 2001.10528, per token; far below
-    zero: confidently another answer). NaN for a sample without a supervised token."""
+    zero: confidently another answer). `text` (``[V]`` bool, `token_prefixes.text_mask`): only the supervised
+    tokens that are text count - the end-of-turn / EOS token is left out. NaN for a sample without one."""
     b, t, v = logits.shape
     seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
     target = labels[:, 1:].reshape(-1)
     mask = target.ne(IGNORE_INDEX)
     gold = target.clamp_min(0)
+    if text is not None:
+        mask = mask & text[gold]
     flat = logits[:, :-1].reshape(-1, v)
     lse = torch.logsumexp(flat.float(), dim=-1)
     if prefixes is not None:

@@ -12,7 +12,9 @@ out of it; see benchmarks/README.md, "forensics".
 
 `prefix_table(tokenizer)` builds, once per run, ``[V, K]`` token ids (-1 padded): for each token, up to K of the
 tokens whose text is a strict prefix of its text, longest first. Special and added tokens have none and are no
-one's prefix. Pure in the tokenizer's vocabulary: every rank builds the same table.
+one's prefix; `text_mask` marks them, so the rule scores the answer's text and not where it stops (a model unsure
+when a hard answer ends - a reversal one letter longer - is not evidence that the answer is another question's).
+Pure in the tokenizer's vocabulary: every rank builds the same table.
 """
 
 from __future__ import annotations
@@ -31,8 +33,7 @@ def prefix_table(tokenizer, max_prefixes: int = 8) -> torch.Tensor | None:
         return None
     if not vocab:
         return None
-    special = {int(i) for i in getattr(tokenizer, "all_special_ids", []) or []}
-    special |= {int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
+    special = set(special_ids(tokenizer).tolist())
     text = {s: i for s, i in vocab.items() if i not in special and s}
     size = max(vocab.values()) + 1
     table = torch.full((size, max_prefixes), -1, dtype=torch.long)
@@ -41,6 +42,24 @@ def prefix_table(tokenizer, max_prefixes: int = 8) -> torch.Tensor | None:
         if found:
             table[i, : len(found)] = torch.tensor(found, dtype=torch.long)
     return table
+
+
+def special_ids(tokenizer) -> torch.Tensor | None:
+    """The tokenizer's special and added token ids (EOS, end of turn, padding), long; None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", []) or []}
+    ids |= {int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def text_mask(special: torch.Tensor | None, vocab_size: int, device) -> torch.Tensor | None:
+    """``[vocab_size]`` bool on `device`: True for the tokens that are answer text (not in `special`)."""
+    if special is None:
+        return None
+    mask = torch.ones(vocab_size, dtype=torch.bool)
+    mask[special[special < vocab_size]] = False
+    return mask.to(device)
 
 
 def fit_to_vocab(table: torch.Tensor | None, vocab_size: int, device) -> torch.Tensor | None:

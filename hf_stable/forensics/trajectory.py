@@ -90,7 +90,7 @@ class TrajectoryTable:
         >>> table = TrajectoryTable(2000)
         >>> table.observe(step, record_ids, loss, tokens, nats, first, margin)  # every training forward, on device
         >>> table.flush()                                                 # every rank, at the same steps
-        >>> named = table.judge(min_sightings=2, zscore=4.25, gain_weight=8.0)
+        >>> named = table.judge(min_sightings=2, zscore=3.25, gain_weight=8.0)
     """
 
     def __init__(self, n_records: int = 0, max_sightings: int = 4, max_records: int = 1_000_000):
