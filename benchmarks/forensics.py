@@ -244,24 +244,33 @@ def calibrate(a, tmp: Path, clean: Path, base: Path | None) -> None:
 
     cfg = ForensicsConfig()
     steps_per_epoch = -(-len(base_records(a.records)) // 16)
-    top = []
+    top, top_early = [], []
     for seed in [int(x) for x in a.calibrate.split(",")]:
         for epochs in [int(x) for x in a.epochs.split(",")]:
             r = run(clean, tmp / f"calib_{seed}_{epochs}", "report", seed, 0, base, epochs=epochs)
-            for e in range(cfg.trajectory_min_sightings, epochs + 1):
+            for e in range(1, epochs + 1):
                 table = table_until(r["state"], e * steps_per_epoch)
                 v = table.judge(
-                    min_sightings=cfg.trajectory_min_sightings, zscore=-1e9, gain_weight=cfg.trajectory_gain_weight
+                    min_sightings=cfg.trajectory_min_sightings,
+                    zscore=-1e9,
+                    early_zscore=-1e9,
+                    gain_weight=cfg.trajectory_gain_weight,
                 )
-                best = v[0]
-                top.append(best.score)
-                print(
-                    f"clean seed {seed}, {epochs} epoch(s), end of epoch {e}: highest score {best.score:.3f} "
-                    f"({best.evidence['sightings']} sightings, record {best.record_id}); named at the bar "
-                    f"{cfg.trajectory_zscore:g}: {sum(x.score > cfg.trajectory_zscore for x in v)}"
-                )
+                for early in (True, False):
+                    part = [x for x in v if (x.evidence["sightings"] < cfg.trajectory_min_sightings) == early]
+                    if not part:
+                        continue
+                    bar = cfg.trajectory_early_zscore if early else cfg.trajectory_zscore
+                    (top_early if early else top).append(part[0].score)
+                    print(
+                        f"clean seed {seed}, {epochs} epoch(s), end of epoch {e}, records seen "
+                        f"{'once' if early else 'twice or more'}: highest score {part[0].score:.3f} (record "
+                        f"{part[0].record_id}); named at the bar {bar:g}: {sum(x.score > bar for x in part)}"
+                    )
     print(
-        f"calibration: highest clean score {max(top):.3f} over {len(top)} epoch ends (bar {cfg.trajectory_zscore:g})"
+        f"calibration: highest clean score {max(top):.3f} of records seen twice or more over {len(top)} epoch ends "
+        f"(bar {cfg.trajectory_zscore:g}); {max(top_early):.3f} of records seen once over {len(top_early)} "
+        f"(bar {cfg.trajectory_early_zscore:g})"
     )
 
 

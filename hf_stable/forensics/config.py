@@ -66,6 +66,13 @@ class ForensicsConfig:
         default=3.25,
         metadata={"help": "... named when their score (mean robust z of the trajectory features) is above this."},
     )
+    trajectory_early_zscore: float = field(
+        default=5.0,
+        metadata={
+            "help": "... and a record seen fewer times (one epoch) when its score is above this higher bar: the "
+            "plainest cases leave the run an epoch sooner (1e9: only records seen trajectory_min_sightings times)."
+        },
+    )
     trajectory_gain_weight: float = field(
         default=8.0,
         metadata={"help": "... plus this x ln(the prompt gain screening measured, when above 1) in the score."},

@@ -90,6 +90,7 @@ class EpochVerdicts:
             gain_weight=self.cfg.trajectory_gain_weight,
             min_population=self.cfg.trajectory_min_population,
             exclude=self.quarantine,
+            early_zscore=self.cfg.trajectory_early_zscore,
         )
         culprits = [
             Culprit(

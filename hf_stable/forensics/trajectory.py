@@ -208,12 +208,21 @@ class TrajectoryTable:
         return ids, {k: torch.nan_to_num(v, nan=0.0) for k, v in out.items()}
 
     def judge(
-        self, *, min_sightings: int, zscore: float, gain_weight: float = 0.0, exclude=(), min_population: int = 64
+        self,
+        *,
+        min_sightings: int,
+        zscore: float,
+        gain_weight: float = 0.0,
+        exclude=(),
+        min_population: int = 64,
+        early_zscore: float | None = None,
     ) -> list[TrajectoryVerdict]:
         """The records whose trajectory stands out (see the module docstring), highest score first. Pure in the
         table: every rank names the same records. `exclude`: record ids not to name (already quarantined); they
-        are left out of the population too."""
-        ids, feats = self.features(min_sightings)
+        are left out of the population too. `early_zscore`: records seen at least once but fewer than
+        `min_sightings` times are judged too, against this higher bar (one sighting's evidence: its first and
+        latest sighting are the same); None: not before `min_sightings`."""
+        ids, feats = self.features(1 if early_zscore is not None else min_sightings)
         keep = torch.tensor([int(i) not in exclude for i in ids.tolist()], dtype=torch.bool)
         ids = ids[keep]
         if ids.numel() < min_population:
@@ -226,20 +235,24 @@ class TrajectoryTable:
         gain = self.gains[ids, 0].double()
         bonus = torch.log(torch.nan_to_num(gain, nan=1.0).clamp_min(1.0)) * gain_weight
         score = sum(z.values()) / len(z) + bonus
+        early = self.seen[ids] < min_sightings
+        bar = torch.where(early, math.inf if early_zscore is None else early_zscore, zscore)
         rule = (
             f"mean robust z of answer nats / first-token NLL / margin below the step median, at the first and the "
             f"latest sighting, + {gain_weight:g} x ln(prompt gain, if above 1) > {zscore:g} "
-            f"(records seen >= {min_sightings} times)"
+            f"(records seen >= {min_sightings} times"
+            + (f"; > {early_zscore:g} seen fewer times)" if early_zscore is not None else ")")
         )
         named = sorted(
-            (i for i in range(ids.numel()) if float(score[i]) > zscore), key=lambda i: (-float(score[i]), int(ids[i]))
+            (i for i in range(ids.numel()) if float(score[i]) > float(bar[i])),
+            key=lambda i: (-float(score[i]), int(ids[i])),
         )
         out = []
         for i in named:
             r = int(ids[i])
             ev = self.evidence(r)
             ev.update({f"z_{k}": round(float(v[i]), 4) for k, v in z.items()})
-            ev.update({"score": round(float(score[i]), 4), "threshold": zscore, "rule": rule})
+            ev.update({"score": round(float(score[i]), 4), "threshold": float(bar[i]), "rule": rule})
             ev["population"] = population
             out.append(TrajectoryVerdict(r, float(score[i]), ev))
         return out
