@@ -18,7 +18,8 @@ from hf_stable.forensics.trajectory import LOSS, TrajectoryTable
 from tests.dist_scripts.forensics_run import MILD, TRAJECTORY, build, position_of, read_result, run_script
 
 N_RECORDS, PER_STEP = 256, 16
-BAR = ForensicsConfig().trajectory_zscore  # the calibrated default
+BAR = ForensicsConfig().trajectory_zscore  # the calibrated defaults
+EARLY = ForensicsConfig().trajectory_early_zscore
 WRONG, HARD = 7, 11  # record ids of the synthetic table
 
 
@@ -54,7 +55,9 @@ def _table(epochs: int = 2) -> TrajectoryTable:
 
 
 def test_the_rule_names_the_mislabeled_record_not_the_clean_hard_one_and_not_before_two_sightings():
-    assert _table(1).judge(min_sightings=2, zscore=BAR) == []  # one sighting: not enough evidence yet
+    assert _table(1).judge(min_sightings=2, zscore=BAR) == []  # one sighting: not enough evidence for this bar
+    early = _table(1).judge(min_sightings=2, zscore=BAR, early_zscore=EARLY)  # the higher bar for one sighting
+    assert [v.record_id for v in early] == [WRONG] and early[0].evidence["threshold"] == EARLY
     table = _table(2)
     verdicts = table.judge(min_sightings=2, zscore=BAR)
     assert [v.record_id for v in verdicts] == [WRONG]
@@ -91,25 +94,43 @@ def test_the_table_is_bounded_keeps_the_latest_sightings_and_its_state_is_exact(
     assert len(small) == 4 and int(small.seen.sum()) == 1  # an id past max_records and the padding row: ignored
 
 
-def _poisoned_run(tmp_path, poison_index, mode="auto"):
+def _poisoned_run(tmp_path, poison_index, mode="auto", **forensics_kw):
     trainer, skip, forensics = build(
-        tmp_path, poison_index=poison_index, steps=24, mode=mode, forensics_kw=TRAJECTORY, **MILD
+        tmp_path, poison_index=poison_index, steps=24, mode=mode, forensics_kw={**TRAJECTORY, **forensics_kw}, **MILD
     )
     trainer.train()
     return skip, forensics
 
 
-def test_a_mislabeled_record_is_named_by_its_trajectory_at_the_end_of_epoch_2_and_left_out_of_epoch_3(tmp_path):
+def test_a_mislabeled_record_is_named_by_its_trajectory_at_the_end_of_epoch_1_and_left_out_of_the_next(tmp_path):
+    """The default rule: a record seen once whose score clears the higher early bar is named as its first epoch
+    ends, not sampled again."""
     idx = position_of(3)
     skip, forensics = _poisoned_run(tmp_path, idx)
     assert skip.skipped_steps == []  # never a culprit of its step: the batch loss looked fine
     entries = read_quarantine(tmp_path)
     assert [(e["where"], e["reason"], e["step"], e["epoch"]) for e in entries] == [
+        (f"train.jsonl:{idx + 1}", "trajectory", 8, 0)  # the end of epoch 1 (8 steps an epoch)
+    ]
+    ev = entries[0]["evidence"]
+    assert len(ev["losses"]) == 1 and ev["score"] > ev["threshold"] == ForensicsConfig().trajectory_early_zscore
+    assert ev["step_reasons"] == ["trajectory", "epoch 0"] and ev["threshold"] > BAR
+    assert int(forensics.trajectory.seen[idx]) == 1  # auto: not sampled in epochs 2 and 3
+    assert int(forensics.trajectory.seen.sum()) == 32 * 3 - 2
+
+
+def test_with_one_bar_only_it_is_named_at_the_end_of_epoch_2_by_two_sightings_and_left_out_of_epoch_3(tmp_path):
+    idx = position_of(3)
+    skip, forensics = _poisoned_run(tmp_path, idx, trajectory_early_zscore=1e9)  # no early verdict
+    assert skip.skipped_steps == []
+    entries = read_quarantine(tmp_path)
+    assert [(e["where"], e["reason"], e["step"], e["epoch"]) for e in entries] == [
         (f"train.jsonl:{idx + 1}", "trajectory", 16, 1)  # the end of epoch 2 (8 steps an epoch)
     ]
     ev = entries[0]["evidence"]
-    assert len(ev["losses"]) == 2 and ev["score"] > ev["threshold"] and ev["step_reasons"] == ["trajectory", "epoch 1"]
-    assert all(math.isfinite(x) for x in ev["losses"] + ev["margins"] + ev["step_median_losses"])
+    assert len(ev["losses"]) == 2 and ev["score"] > ev["threshold"] == BAR
+    assert ev["step_reasons"] == ["trajectory", "epoch 1"]
+    assert all(math.isfinite(x) for x in ev["losses"] + ev["margins"] + ev["step_median_losses"] + ev["answer_nats"])
     assert int(forensics.trajectory.seen[idx]) == 2  # auto: not sampled in epoch 3
     assert int(forensics.trajectory.seen.sum()) == 32 * 3 - 1
 
@@ -140,21 +161,21 @@ _script, _result = run_script, read_result
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kill9_at_the_epoch_end_and_resume_keeps_the_history_and_names_the_same_record(tmp_path):
-    """Killed right after checkpoint-16 - the last step of epoch 2, saved before that epoch's end was judged: the
-    resumed run loads the history from the checkpoint and judges epoch 2 as its next epoch begins. The quarantine,
-    the history and the weights equal the uninterrupted run's."""
+    """Killed right after checkpoint-8 - the last step of epoch 1, saved before that epoch's end was judged: the
+    resumed run loads the history from the checkpoint and judges epoch 1 as its next epoch begins (the default rule
+    names the record there). The quarantine, the history and the weights equal the uninterrupted run's."""
     import signal
 
     idx = position_of(3)
     common = ("--poison-index", idx, "--trajectory", "--steps", 24, "--save-steps", 8)
     _script(tmp_path / "base", *common)
-    killed = _script(tmp_path / "run", *common, "--kill-at", 16, check=False)
+    killed = _script(tmp_path / "run", *common, "--kill-at", 8, check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     _script(tmp_path / "run", *common, "--resume")
     (base, w_base), (run, w_run) = _result(tmp_path / "base"), _result(tmp_path / "run")
-    assert run["resumed_from"].endswith("checkpoint-16") and run["global_step"] == base["global_step"] == 24
+    assert run["resumed_from"].endswith("checkpoint-8") and run["global_step"] == base["global_step"] == 24
     assert [(e["where"], e["reason"], e["step"]) for e in base["quarantine"]["entries"]] == [
-        (f"train.jsonl:{idx + 1}", "trajectory", 16)
+        (f"train.jsonl:{idx + 1}", "trajectory", 8)
     ]
     assert run["quarantine"] == base["quarantine"] and run["trajectory"] == base["trajectory"]
     assert all(torch.equal(w_base[k], w_run[k]) for k in w_base)
@@ -182,9 +203,9 @@ def test_two_ranks_keep_the_same_history_and_name_the_same_record(tmp_path):
     assert r0["trajectory"] == r1["trajectory"] and r0["quarantine"] == r1["quarantine"]
     table = TrajectoryTable()
     table.load_state_dict(r0["trajectory"])
-    # both ranks' samples: 3 epochs of 4 steps x 2 ranks x 4, the named record only in the first two (accelerate
-    # pads epoch 3's 31 records to the ranks' even share with a repeat, a second sighting of one record)
-    assert int(table.seen[idx]) == 2 and int(table.seen.sum()) == 32 * 3
+    # both ranks' samples: 3 epochs of 4 steps x 2 ranks x 4, the named record (at the end of epoch 1) only in the
+    # first (accelerate pads the later epochs' 31 records to the ranks' even share with a repeat of one record)
+    assert int(table.seen[idx]) == 1 and int(table.seen.sum()) == 32 * 3
     assert [(e["where"], e["reason"]) for e in r0["quarantine"]["entries"]] == [
         (f"train.jsonl:{idx + 1}", "trajectory")
     ]

@@ -29,10 +29,12 @@ and at its latest kept sighting, three features as robust z-scores over the reco
   tells a confidently wrong answer from an uncertain one of the same loss;
 
 averaged over the three and the two sightings, plus ``gain_weight x ln(prompt gain)`` when screening measured a
-gain above 1. A score above `zscore` names the record. `zscore` is calibrated on clean runs only (above every clean
-record's score; see benchmarks/README.md, "forensics"). A base that cannot do a task cannot tell a wrong answer of
-it from a right one: its clean records of that task fill the tail, and the bar above them leaves the mislabeled
-records that look no worse unnamed.
+gain above 1. A score above `zscore` names the record; a record seen only once so far (the end of its first epoch:
+its first and latest sighting are the same) is named above the higher `early_zscore`, so the plainest wrong answers
+leave the run an epoch sooner and the model learns fewer of them. Both bars are calibrated on clean runs only
+(above every clean record's score; see benchmarks/README.md, "forensics"). A base that cannot do a task cannot tell
+a wrong answer of it from a right one: its clean records of that task fill the tail, and the bar above them leaves
+the mislabeled records that look no worse unnamed.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ SCREEN_ALL = {
 
 # the trajectory rule on this 32-record set (population floor lowered to it); with MILD the poisoned record's loss is
 # only mildly raised (logits x3 for the loss, not for the gradient): never a culprit of its step, named by its
-# trajectory at the end of epoch 2 (issue 25)
+# trajectory at the end of epoch 1 (the early bar; epoch 2 with the early bar off) (issue 25)
 TRAJECTORY = {"screen": True, "screen_every": 4, "trajectory_min_population": 16}
 MILD = {"factor": 3.0, "grad_free": True}
 
