@@ -50,13 +50,14 @@ def test_a_right_answer_split_otherwise_costs_little_and_a_wrong_one_the_full_nl
     logits = torch.zeros(2, 3, v)
     logits[:, 1] = probs.log()
     labels = torch.tensor([[-100, -100, gold], [-100, -100, other]])
-    nats, first, margin = per_sample_answer_stats(logits, labels, prefixes=fit_to_vocab(table, v, "cpu"))
-    plain, _ = per_sample_loss(logits, labels)
+    loss, count, nats, first, margin = per_sample_answer_stats(logits, labels, prefixes=fit_to_vocab(table, v, "cpu"))
+    plain, plain_count = per_sample_loss(logits, labels)
+    assert torch.allclose(loss, plain, rtol=1e-5) and torch.equal(count, plain_count)  # screening's, same pass
     assert plain[0] == pytest.approx(-math.log(0.01), rel=1e-4)
     assert nats[0] == pytest.approx(-math.log(0.91), rel=1e-4) and first[0] == nats[0]  # one supervised token
     assert margin[0] > 0  # the agreeing mass beats every disagreeing token
     assert nats[1] == pytest.approx(float(plain[1]), rel=1e-5) and margin[1] < -5  # another kind: charged in full
-    bare_nats, _, bare_margin = per_sample_answer_stats(logits, labels)  # no tokenizer: the plain NLL
+    _, _, bare_nats, _, bare_margin = per_sample_answer_stats(logits, labels)  # no tokenizer: the plain NLL
     assert bare_nats[0] == pytest.approx(float(plain[0]), rel=1e-5) and bare_margin[0] < 0
 
 
@@ -66,9 +67,11 @@ def test_answer_stats_of_a_packed_batch_follow_its_segments(tokenizer):
     logits = torch.randn(1, 8, v)
     labels = torch.tensor([[-100, 5, 6, 7, -100, 9, 10, -100]])
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0]])  # two samples and a tail padding segment
-    nats, first, margin = per_sample_answer_stats(
+    loss, count, nats, first, margin = per_sample_answer_stats(
         logits, labels, pos, 3, fit_to_vocab(prefix_table(tokenizer), v, "cpu")
     )
+    plain, plain_count = per_sample_loss(logits, labels, pos, 3)
+    assert torch.allclose(loss[:2], plain[:2], rtol=1e-5) and torch.equal(count, plain_count)
     lp = logits[0].log_softmax(-1)
     table = prefix_table(tokenizer)
 
@@ -96,8 +99,9 @@ def test_the_end_of_turn_token_is_not_answer_text_and_the_forensics_callback_rea
     labels = torch.tensor([[-100, -100, word, eos]])
     text = text_mask(special_ids(tokenizer), v, "cpu")
     assert not text[eos] and text[word] and int((~text).sum()) == len(set(tokenizer.all_special_ids))
-    with_eos, _, _ = per_sample_answer_stats(logits, labels)
-    text_only, first, _ = per_sample_answer_stats(logits, labels, text=text)
+    _, count, with_eos, _, _ = per_sample_answer_stats(logits, labels)
+    _, _, text_only, first, _ = per_sample_answer_stats(logits, labels, text=text)
+    assert float(count[0]) == 2  # screening's loss still counts the EOS
     assert float(with_eos[0]) > 12 and float(text_only[0]) == pytest.approx(float(first[0]))
     assert float(text_only[0]) < 0.1
 

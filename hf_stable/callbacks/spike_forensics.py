@@ -254,8 +254,10 @@ class SpikeForensics(EpochVerdicts, StepTapUser, StabilityCallback):
             return
         started = time.perf_counter()
         with torch.no_grad():
-            loss, count = per_sample_loss(logits.detach(), labels, kwargs.get("position_ids"), len(record_ids))
-            self._observe_trajectory(kwargs, logits.detach(), record_ids, loss, count)
+            if self.trajectory is not None:  # one pass for both: screening's losses and the trajectory's values
+                loss, count = self._observe_trajectory(kwargs, logits.detach(), record_ids)
+            else:
+                loss, count = per_sample_loss(logits.detach(), labels, kwargs.get("position_ids"), len(record_ids))
         kept = {k: v for k, v in kwargs.items() if k in SAMPLE_KEYS and isinstance(v, torch.Tensor)}
         self._buffer.append((self._step, record_ids.to(loss.device), loss, count, kept))
         self.screen_seconds += time.perf_counter() - started  # on an accelerator: launch time only (no sync here)

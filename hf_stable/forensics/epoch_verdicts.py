@@ -48,19 +48,20 @@ class EpochVerdicts:
         self._special = special_ids(tokenizer) if used else None
         self._prefixes = self._text = None
 
-    def _observe_trajectory(self, kwargs, logits, record_ids, loss, count) -> None:
-        """One training forward's per-sample values into the table's buffer (on device, no sync)."""
-        if self.trajectory is not None:
-            started = time.perf_counter()
-            if self._prefixes is None and self._prefix_source is not None:
-                self._prefixes = fit_to_vocab(self._prefix_source, logits.shape[-1], logits.device)
-            if self._text is None and self._special is not None:
-                self._text = text_mask(self._special, logits.shape[-1], logits.device)
-            nats, first, margin = per_sample_answer_stats(
-                logits, kwargs["labels"], kwargs.get("position_ids"), len(record_ids), self._prefixes, self._text
-            )
-            self.trajectory.observe(self._step, record_ids, loss, count, nats, first, margin)
-            self.trajectory_seconds += time.perf_counter() - started
+    def _observe_trajectory(self, kwargs, logits, record_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training forward's per-sample values into the table's buffer (on device, no sync); returns the
+        per-sample (loss, supervised-token count) screening reads, from the same pass."""
+        started = time.perf_counter()
+        if self._prefixes is None and self._prefix_source is not None:
+            self._prefixes = fit_to_vocab(self._prefix_source, logits.shape[-1], logits.device)
+        if self._text is None and self._special is not None:
+            self._text = text_mask(self._special, logits.shape[-1], logits.device)
+        loss, count, nats, first, margin = per_sample_answer_stats(
+            logits, kwargs["labels"], kwargs.get("position_ids"), len(record_ids), self._prefixes, self._text
+        )
+        self.trajectory.observe(self._step, record_ids, loss, count, nats, first, margin)
+        self.trajectory_seconds += time.perf_counter() - started
+        return loss, count
 
     def _flush_trajectory(self) -> None:
         """Gather the buffered rows into the table (every rank, at the screening's decision steps)."""

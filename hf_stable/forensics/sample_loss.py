@@ -70,48 +70,49 @@ def per_sample_answer_stats(
     n_segments: int | None = None,
     prefixes: torch.Tensor | None = None,
     text: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(answer nats, first-token NLL, token-mean margin) per sample, ``[n_segments]`` float32 each, on device (no
-    sync), as the trajectory rule reads them (`hf_stable.forensics.trajectory`).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, count, answer nats, first-token NLL, token-mean margin) per sample, ``[n_segments]`` float32 each, on
+    device (no sync): `per_sample_loss`'s two and the three the trajectory rule reads
+    (`hf_stable.forensics.trajectory`), from one log-sum-exp over the logits.
 
     Every position is scored by the probability of the next tokens that agree with the answer's text: the gold
     token or one of its `prefixes` (``[V, K]`` from `hf_stable.forensics.token_prefixes.prefix_table`; None: the
     gold token alone, the plain NLL). *Answer nats* is the sum over the sample's supervised tokens, *first-token
     NLL* the first supervised token's (where an answer of another question shows its kind), the *margin* that
-    log-probability minus the best disagreeing token's (Pleiss et al. 2020, arXiv 2001.10528, per token; far below
-    zero: confidently another answer). `text` (``[V]`` bool, `token_prefixes.text_mask`): only the supervised
-    tokens that are text count - the end-of-turn / EOS token is left out. NaN for a sample without one."""
+    log-probability minus the best disagreeing token's among the top 3 (Pleiss et al. 2020, arXiv 2001.10528, per
+    token; far below zero: confidently another answer; when all three agree, the third stands for it: a lower
+    bound). `text` (``[V]`` bool, `token_prefixes.text_mask`): only the supervised tokens that are text count for
+    those three - the end-of-turn / EOS token is left out. NaN for a sample without one."""
     b, t, v = logits.shape
     seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
     target = labels[:, 1:].reshape(-1)
-    mask = target.ne(IGNORE_INDEX)
+    supervised = target.ne(IGNORE_INDEX)
     gold = target.clamp_min(0)
-    if text is not None:
-        mask = mask & text[gold]
+    mask = supervised & text[gold] if text is not None else supervised
     flat = logits[:, :-1].reshape(-1, v)
     lse = torch.logsumexp(flat.float(), dim=-1)
-    if prefixes is not None:
-        agree = torch.cat([gold[:, None], prefixes[gold]], dim=1)  # [N, 1 + K], -1: none
-    else:
-        agree = gold[:, None]
-    valid = agree.ge(0)
-    agree_logits = flat.gather(1, agree.clamp_min(0)).float().masked_fill(~valid, -math.inf)
+    agree = torch.cat([gold[:, None], prefixes[gold]], dim=1) if prefixes is not None else gold[:, None]
+    agree_logits = flat.gather(1, agree.clamp_min(0)).float().masked_fill(agree.lt(0), -math.inf)
+    plain = torch.where(supervised, lse - agree_logits[:, 0], torch.zeros_like(lse))
     log_agree = torch.logsumexp(agree_logits, dim=-1) - lse
-    top = flat.topk(min(agree.shape[1] + 1, v), dim=-1)
-    disagree = top.values.float().masked_fill((top.indices[:, :, None] == agree[:, None, :]).any(-1), -math.inf)
-    margin = log_agree - (disagree.max(-1).values - lse)
-    nll = torch.where(mask, -log_agree, torch.zeros_like(log_agree))
-    margin = torch.where(mask, margin, torch.zeros_like(margin))
+    top = flat.topk(min(3, v), dim=-1)
+    agreeing = (top.indices[:, :, None] == agree[:, None, :]).any(-1)
+    agreeing[:, -1] = False  # all three agree: the third stands for the best disagreeing token
+    disagree = top.values.float().masked_fill(agreeing, -math.inf).max(-1).values
+    margin = torch.where(mask, log_agree - (disagree - lse), torch.zeros_like(lse))
+    nll = torch.where(mask, -log_agree, torch.zeros_like(lse))
     if n_segments is None:
         n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0
     zeros = torch.zeros(n_segments, dtype=torch.float32, device=logits.device)
-    counts = zeros.index_add(0, seg, mask.float())
+    count = zeros.index_add(0, seg, supervised.float())
+    loss = zeros.index_add(0, seg, plain) / count
+    text_count = zeros.index_add(0, seg, mask.float())
     nats = zeros.index_add(0, seg, nll)
-    margins = zeros.index_add(0, seg, margin) / counts
+    margins = zeros.index_add(0, seg, margin) / text_count
     where = torch.arange(seg.numel(), device=logits.device)
     where = torch.where(mask, where, torch.full_like(where, seg.numel()))
     first = torch.full((n_segments,), seg.numel(), dtype=where.dtype, device=logits.device)
     first = first.scatter_reduce(0, seg, where, reduce="amin", include_self=True)
     padded = torch.cat([nll, torch.full((1,), math.nan, device=logits.device)])
-    nan = torch.full_like(nats, math.nan)
-    return torch.where(counts > 0, nats, nan), padded[first], margins
+    nats = torch.where(text_count > 0, nats, torch.full_like(nats, math.nan))
+    return loss, count, nats, padded[first], margins
