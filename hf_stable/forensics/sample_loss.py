@@ -90,17 +90,18 @@ def per_sample_answer_stats(
     gold = target.clamp_min(0)
     mask = supervised & text[gold] if text is not None else supervised
     flat = logits[:, :-1].reshape(-1, v)
-    lse = torch.logsumexp(flat.float(), dim=-1)
-    agree = torch.cat([gold[:, None], prefixes[gold]], dim=1) if prefixes is not None else gold[:, None]
-    agree_logits = flat.gather(1, agree.clamp_min(0)).float().masked_fill(agree.lt(0), -math.inf)
-    plain = torch.where(supervised, lse - agree_logits[:, 0], torch.zeros_like(lse))
-    log_agree = torch.logsumexp(agree_logits, dim=-1) - lse
-    top = flat.topk(min(3, v), dim=-1)
-    agreeing = (top.indices[:, :, None] == agree[:, None, :]).any(-1)
-    agreeing[:, -1] = False  # all three agree: the third stands for the best disagreeing token
-    disagree = top.values.float().masked_fill(agreeing, -math.inf).max(-1).values
-    margin = torch.where(mask, log_agree - (disagree - lse), torch.zeros_like(lse))
-    nll = torch.where(mask, -log_agree, torch.zeros_like(lse))
+    if flat.device.type == "cpu":  # no device to sync with: only the supervised rows (on an accelerator, all: no sync)
+        rows = torch.nonzero(supervised).reshape(-1)
+        plain_s, log_agree_s, disagree_s = _agreeing_mass(flat[rows], gold[rows], prefixes)
+        plain, log_agree, disagree = (
+            torch.zeros(flat.shape[0], dtype=torch.float32).index_copy_(0, rows, x)
+            for x in (plain_s, log_agree_s, disagree_s)
+        )
+    else:
+        plain, log_agree, disagree = _agreeing_mass(flat, gold, prefixes)
+    plain = torch.where(supervised, plain, torch.zeros_like(plain))
+    margin = torch.where(mask, log_agree - disagree, torch.zeros_like(plain))
+    nll = torch.where(mask, -log_agree, torch.zeros_like(plain))
     if n_segments is None:
         n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0
     zeros = torch.zeros(n_segments, dtype=torch.float32, device=logits.device)
@@ -116,3 +117,16 @@ def per_sample_answer_stats(
     padded = torch.cat([nll, torch.full((1,), math.nan, device=logits.device)])
     nats = torch.where(text_count > 0, nats, torch.full_like(nats, math.nan))
     return loss, count, nats, padded[first], margins
+
+
+def _agreeing_mass(flat: torch.Tensor, gold: torch.Tensor, prefixes: torch.Tensor | None):
+    """Per row of `flat` ``[N, V]``: (gold NLL, log-probability of the tokens agreeing with gold - gold and its
+    `prefixes` -, log-probability of the best disagreeing token among the top 3)."""
+    lse = torch.logsumexp(flat.float(), dim=-1)
+    agree = torch.cat([gold[:, None], prefixes[gold]], dim=1) if prefixes is not None else gold[:, None]
+    agree_logits = flat.gather(1, agree.clamp_min(0)).float().masked_fill(agree.lt(0), -math.inf)
+    top = flat.topk(min(3, flat.shape[-1]), dim=-1)
+    agreeing = (top.indices[:, :, None] == agree[:, None, :]).any(-1)
+    agreeing[:, -1] = False  # all three agree: the third stands for the best disagreeing token
+    disagree = top.values.float().masked_fill(agreeing, -math.inf).max(-1).values
+    return lse - agree_logits[:, 0], torch.logsumexp(agree_logits, dim=-1) - lse, disagree - lse
