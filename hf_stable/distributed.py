@@ -171,6 +171,21 @@ def all_gather_tensor(tensor):
     return out.to(tensor.device, copy=True).reshape(dist.get_world_size(), *tensor.shape)
 
 
+def all_gather_rows(local, fill: float = -1.0):
+    """Every rank's rows ``[n_r, w]`` (the counts may differ) on every rank, ``[world_size * max n_r, w]``: each
+    rank's block padded with rows of `fill` to the largest count. ``[0, w]`` when no rank has a row (then nothing is
+    gathered: the count is agreed). Every rank enters it: one reduce, then one gather when any rank has rows."""
+    import torch
+
+    n = torch.tensor([float(local.shape[0])], dtype=torch.float32, device=local.device)
+    n_max = int(all_reduce_tensor(n, "max").item())
+    if n_max == 0:
+        return local.new_zeros((0, local.shape[1]))
+    padded = torch.full((n_max, local.shape[1]), fill, dtype=local.dtype, device=local.device)
+    padded[: local.shape[0]] = local
+    return all_gather_tensor(padded).reshape(-1, local.shape[1])
+
+
 def _broadcast_tensor(tensor, src: int):
     import torch.distributed as dist
 

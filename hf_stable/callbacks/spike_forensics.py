@@ -31,7 +31,7 @@ import torch
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.core.engine import StepEngine
 from hf_stable.core.step_tap import StepTapUser
-from hf_stable.distributed import all_gather_tensor, all_reduce_tensor, rank
+from hf_stable.distributed import all_gather_rows, all_reduce_tensor, rank
 from hf_stable.forensics.attribution import (
     Culprit,
     SampleRow,
@@ -47,7 +47,6 @@ from hf_stable.forensics.attribution import (
 from hf_stable.forensics.config import ForensicsConfig
 from hf_stable.forensics.epoch_verdicts import EpochVerdicts
 from hf_stable.forensics.quarantine import Entry, Quarantine
-from hf_stable.forensics.sample_loss import per_sample_loss
 from hf_stable.forensics.screening import select_suspects, suspect_prompt_gains
 
 SAMPLE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")  # kept per forward for suspects' re-runs
@@ -254,10 +253,7 @@ class SpikeForensics(EpochVerdicts, StepTapUser, StabilityCallback):
             return
         started = time.perf_counter()
         with torch.no_grad():
-            if self.trajectory is not None:  # one pass for both: screening's losses and the trajectory's values
-                loss, count = self._observe_trajectory(kwargs, logits.detach(), record_ids)
-            else:
-                loss, count = per_sample_loss(logits.detach(), labels, kwargs.get("position_ids"), len(record_ids))
+            loss, count = self._sample_losses(kwargs, logits.detach(), record_ids)
         kept = {k: v for k, v in kwargs.items() if k in SAMPLE_KEYS and isinstance(v, torch.Tensor)}
         self._buffer.append((self._step, record_ids.to(loss.device), loss, count, kept))
         self.screen_seconds += time.perf_counter() - started  # on an accelerator: launch time only (no sync here)
@@ -285,13 +281,10 @@ class SpikeForensics(EpochVerdicts, StepTapUser, StabilityCallback):
         }
         self._buffer = []
         local = torch.cat(parts).to(device) if parts else torch.zeros((0, 5), dtype=torch.float64, device=device)
-        n = torch.tensor([float(local.shape[0])], device=device)
-        n_max = int(all_reduce_tensor(n, "max").item())  # every rank, every flush step: rank-agreed
-        if n_max == 0:
+        gathered = all_gather_rows(local)  # every rank, every flush step: rank-agreed
+        if not gathered.numel():
             return
-        padded = torch.full((n_max, 5), -1.0, dtype=torch.float64, device=device)
-        padded[: local.shape[0]] = local
-        table = [r for r in all_gather_tensor(padded).reshape(-1, 5).tolist() if r[1] >= 0 and r[0] >= 0]
+        table = [r for r in gathered.tolist() if r[1] >= 0 and r[0] >= 0]
         by_step: dict[int, list[SampleRow]] = {}
         for s, rid, loss, count, rk in table:
             by_step.setdefault(int(s), []).append(SampleRow(int(rid), loss, int(count), math.nan, int(rk)))

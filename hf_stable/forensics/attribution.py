@@ -32,7 +32,7 @@ import torch
 
 from hf_stable.compat import foreach_norm
 from hf_stable.core.step_tap import StepTap, batch_gradients
-from hf_stable.distributed import all_gather_tensor, all_reduce_tensor, rank
+from hf_stable.distributed import all_gather_rows, all_reduce_tensor, rank
 from hf_stable.forensics.sample_loss import IGNORE_INDEX, per_sample_loss, segment_index
 
 COLUMNS = 5  # record_id, loss, tokens, loss at the snapshot (nan: none), rank
@@ -162,11 +162,7 @@ def local_sample_losses(model, tap: StepTap, args=None) -> list[tuple[int, int, 
 
 def gather_rows(local: torch.Tensor) -> list[SampleRow]:
     """Every rank's rows ``[n, COLUMNS]`` on every rank (padded to the largest n; record id -1 rows dropped)."""
-    n = torch.tensor([float(local.shape[0])], dtype=torch.float32, device=local.device)
-    n_max = int(all_reduce_tensor(n, "max").item())
-    padded = torch.full((max(n_max, 1), COLUMNS), -1.0, dtype=torch.float64, device=local.device)
-    padded[: local.shape[0]] = local.to(torch.float64)
-    table = all_gather_tensor(padded).reshape(-1, COLUMNS).tolist()
+    table = all_gather_rows(local.to(torch.float64)).tolist()
     return [SampleRow(int(r[0]), r[1], int(r[2]), r[3], int(r[4])) for r in table if r[0] >= 0]
 
 

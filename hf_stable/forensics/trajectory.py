@@ -40,12 +40,15 @@ the mislabeled records that look no worse unnamed.
 from __future__ import annotations
 
 import base64
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from hf_stable.distributed import all_gather_tensor, all_reduce_tensor
+from hf_stable.distributed import all_gather_rows
+
+logger = logging.getLogger(__name__)
 
 # per-sighting channels of the table: each value and its step's median
 NATS, STEP_NATS, FIRST, STEP_FIRST, MARGIN, STEP_MARGIN, LOSS, STEP_LOSS, STEP = range(9)
@@ -128,13 +131,9 @@ class TrajectoryTable:
         if device is None:
             device = parts[0].device if parts else torch.device("cpu")
         local = torch.cat(parts).to(device) if parts else torch.zeros((0, ROW), dtype=torch.float64, device=device)
-        n = torch.tensor([float(local.shape[0])], device=device)
-        n_max = int(all_reduce_tensor(n, "max").item())  # rank-agreed: every rank flushes at the same steps
-        if n_max == 0:
-            return
-        padded = torch.full((n_max, ROW), -1.0, dtype=torch.float64, device=device)
-        padded[: local.shape[0]] = local
-        self.add(all_gather_tensor(padded).reshape(-1, ROW).cpu())
+        rows = all_gather_rows(local)  # rank-agreed: every rank flushes at the same steps
+        if rows.numel():
+            self.add(rows.cpu())
 
     def _grow(self, n: int) -> None:
         old = len(self)
@@ -305,9 +304,7 @@ class TrajectoryTable:
             return
         n, k = int(state["records"]), int(state["max_sightings"])
         if int(state.get("channels", 7)) != CHANNELS:  # a history kept by an earlier version: start afresh
-            import logging
-
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "the checkpoint's trajectory history has another layout (an earlier hf_stable): starting it afresh"
             )
             return
