@@ -9,7 +9,7 @@ import time
 import torch
 
 from hf_stable.forensics.attribution import Culprit, SampleRow
-from hf_stable.forensics.sample_loss import per_sample_answer_stats
+from hf_stable.forensics.sample_loss import per_sample_answer_stats, per_sample_loss
 from hf_stable.forensics.token_prefixes import fit_to_vocab, prefix_table, special_ids, text_mask
 from hf_stable.forensics.trajectory import TrajectoryTable
 
@@ -48,9 +48,15 @@ class EpochVerdicts:
         self._special = special_ids(tokenizer) if used else None
         self._prefixes = self._text = None
 
+    def _sample_losses(self, kwargs, logits, record_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """Screening's per-sample (loss, supervised-token count) of a training forward (on device, no sync); with
+        trajectories, from the same pass that buffers the table's values."""
+        if self.trajectory is None:
+            return per_sample_loss(logits, kwargs["labels"], kwargs.get("position_ids"), len(record_ids))
+        return self._observe_trajectory(kwargs, logits, record_ids)
+
     def _observe_trajectory(self, kwargs, logits, record_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        """One training forward's per-sample values into the table's buffer (on device, no sync); returns the
-        per-sample (loss, supervised-token count) screening reads, from the same pass."""
+        """One training forward's per-sample values into the table's buffer; returns (loss, count)."""
         started = time.perf_counter()
         if self._prefixes is None and self._prefix_source is not None:
             self._prefixes = fit_to_vocab(self._prefix_source, logits.shape[-1], logits.device)

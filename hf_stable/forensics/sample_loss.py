@@ -50,17 +50,33 @@ def per_sample_loss(
     A sample without a supervised token gets NaN and count 0; a sample whose logits are non-finite gets a
     non-finite loss (kept: that is the evidence).
     """
-    b, t, v = logits.shape
-    seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
-    target = labels[:, 1:].reshape(-1)
-    mask = target.ne(IGNORE_INDEX)
-    nll = F.cross_entropy(logits[:, :-1].reshape(-1, v).float(), target.clamp_min(0), reduction="none")
-    nll = torch.where(mask, nll, torch.zeros_like(nll))
-    if n_segments is None:
-        n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0
+    flat, seg, gold, mask, n_segments = _positions(logits, labels, position_ids, n_segments)
+    (nll,) = _supervised_rows(flat, mask, lambda f, g: (F.cross_entropy(f.float(), g, reduction="none"),), gold)
     sums = torch.zeros(n_segments, dtype=torch.float32, device=logits.device).index_add_(0, seg, nll)
     counts = torch.zeros(n_segments, dtype=torch.float32, device=logits.device).index_add_(0, seg, mask.float())
     return sums / counts, counts
+
+
+def _positions(logits, labels, position_ids, n_segments):
+    """(logits ``[N, V]`` of the positions that predict a label, their segment, gold token (0 where none),
+    supervised mask, segment count) - labels shifted by one as the causal-LM loss is."""
+    b, t, v = logits.shape
+    seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
+    target = labels[:, 1:].reshape(-1)
+    if n_segments is None:
+        n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0
+    return logits[:, :-1].reshape(-1, v), seg, target.clamp_min(0), target.ne(IGNORE_INDEX), n_segments
+
+
+def _supervised_rows(flat, supervised, fn, gold):
+    """`fn(rows of flat, their gold)` -> float32 ``[rows]`` tensors, scattered back to every position (0 where not
+    supervised). On CPU only the supervised rows are computed (no device to sync with); on an accelerator all of
+    them (selecting would sync)."""
+    if flat.device.type != "cpu":
+        return tuple(torch.where(supervised, x, torch.zeros_like(x)) for x in fn(flat, gold))
+    rows = torch.nonzero(supervised).reshape(-1)
+    zeros = torch.zeros(flat.shape[0], dtype=torch.float32)
+    return tuple(zeros.index_copy(0, rows, x.float()) for x in fn(flat[rows], gold[rows]))
 
 
 def per_sample_answer_stats(
@@ -83,27 +99,11 @@ def per_sample_answer_stats(
     token; far below zero: confidently another answer; when all three agree, the third stands for it: a lower
     bound). `text` (``[V]`` bool, `token_prefixes.text_mask`): only the supervised tokens that are text count for
     those three - the end-of-turn / EOS token is left out. NaN for a sample without one."""
-    b, t, v = logits.shape
-    seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
-    target = labels[:, 1:].reshape(-1)
-    supervised = target.ne(IGNORE_INDEX)
-    gold = target.clamp_min(0)
+    flat, seg, gold, supervised, n_segments = _positions(logits, labels, position_ids, n_segments)
     mask = supervised & text[gold] if text is not None else supervised
-    flat = logits[:, :-1].reshape(-1, v)
-    if flat.device.type == "cpu":  # no device to sync with: only the supervised rows (on an accelerator, all: no sync)
-        rows = torch.nonzero(supervised).reshape(-1)
-        plain_s, log_agree_s, disagree_s = _agreeing_mass(flat[rows], gold[rows], prefixes)
-        plain, log_agree, disagree = (
-            torch.zeros(flat.shape[0], dtype=torch.float32).index_copy_(0, rows, x)
-            for x in (plain_s, log_agree_s, disagree_s)
-        )
-    else:
-        plain, log_agree, disagree = _agreeing_mass(flat, gold, prefixes)
-    plain = torch.where(supervised, plain, torch.zeros_like(plain))
+    plain, log_agree, disagree = _supervised_rows(flat, supervised, lambda f, g: _agreeing_mass(f, g, prefixes), gold)
     margin = torch.where(mask, log_agree - disagree, torch.zeros_like(plain))
     nll = torch.where(mask, -log_agree, torch.zeros_like(plain))
-    if n_segments is None:
-        n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0
     zeros = torch.zeros(n_segments, dtype=torch.float32, device=logits.device)
     count = zeros.index_add(0, seg, supervised.float())
     loss = zeros.index_add(0, seg, plain) / count
