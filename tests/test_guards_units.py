@@ -172,7 +172,7 @@ def test_skip_rules_on_constructed_traces():
     state = skip.stats_state()
     skip.decide(31, skip.local_flags(1e4, 6.0), 1e4, 6.0)  # spikes teach the references nothing
     assert skip.stats_state()["norm_ema"] == state["norm_ema"] and skip.stats_state()["losses"] == state["losses"]
-    assert skip.stats_state()["loss_fast"] == state["loss_fast"]  # an isolated spike does not move the trend
+    assert skip.stats_state()["recent"] == state["recent"]  # an isolated spike does not move the trend
     # a divergence: the loss climbs 8% a step; the fast trend crosses +50% over the recent best (step 39, loss
     # 1.85x) before any single loss is a 2x spike, then the spike rule takes over
     loss, reasons, healthy = 2.7, {}, {}

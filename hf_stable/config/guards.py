@@ -36,14 +36,24 @@ class SkipConfig:
     enabled: bool = field(default=True, metadata=_h("Skip bad optimizer steps."))
     nonfinite: bool = field(default=True, metadata=_h("Skip when any gradient or the step loss is NaN/Inf."))
     grad_spike_ratio: float | None = field(
-        default=10.0, metadata=_h("Skip when the pre-clip global grad norm exceeds this x its EMA. null = off.")
+        default=10.0, metadata=_h("Skip when the pre-clip global grad norm exceeds this x its EMA ... null = off.")
+    )
+    grad_spike_zscore: float | None = field(
+        default=6.0,
+        metadata=_h(
+            "... and its log is this many robust standard deviations above the window's median log grad norm "
+            "(both must hold; null = the ratio alone)."
+        ),
     )
     grad_norm_max: float | None = field(
         default=None, metadata=_h("Skip when the pre-clip global grad norm exceeds this absolute value. null = off.")
     )
     loss_spike_zscore: float | None = field(
-        default=3.0,
-        metadata=_h("Skip when the step loss is this many robust standard deviations above the recent median ..."),
+        default=6.0,
+        metadata=_h(
+            "Skip when the log of the step loss is this many robust standard deviations (1.4826 MAD of the "
+            "window's log losses: the run's own step-to-step noise) above the window's median ..."
+        ),
     )
     loss_spike_min_rel: float = field(
         default=1.0, metadata=_h("... and at least this fraction above that median (both must hold). ")
@@ -51,14 +61,27 @@ class SkipConfig:
     loss_rise_rel: float | None = field(
         default=0.5,
         metadata=_h(
-            "Skip while a fast EMA of the loss is this fraction above the recent best of a smoothed loss "
-            "(a divergence under way; these steps count towards a rollback). null = off."
+            "Skip while the loss level (the median of the last 5 plausible step losses) is this fraction above "
+            "the window's lowest smoothed loss (a divergence under way; these steps count towards a rollback) "
+            "... null = off."
         ),
     )
-    loss_fast_beta: float = field(default=0.7, metadata=_h("Decay of the fast loss EMA for loss_rise_rel."))
+    loss_rise_zscore: float | None = field(
+        default=6.0,
+        metadata=_h(
+            "... and that rise (in log) is this many robust standard deviations above its own median over the "
+            "window's accepted steps (its noise on this run). null = the fraction alone."
+        ),
+    )
     ema_beta: float = field(default=0.95, metadata=_h("EMA decay of the grad-norm reference."))
-    window: int = field(default=50, metadata=_h("Steps of loss history for the robust z-score."))
-    warmup_steps: int = field(default=3, metadata=_h("No spike verdict before this many accepted steps."))
+    window: int = field(default=50, metadata=_h("Accepted steps of loss / grad-norm history for the noise estimates."))
+    warmup_steps: int = field(
+        default=3,
+        metadata=_h(
+            "No spike or rise verdict before this many accepted steps (until the window holds 3-10, the noise "
+            "estimates fall back on the relative margins)."
+        ),
+    )
     max_consecutive_skips: int = field(
         default=25,
         metadata=_h(
@@ -69,9 +92,14 @@ class SkipConfig:
 
     def validate(self) -> list[str]:
         out: list[str] = []
-        check_positive(self, ("grad_spike_ratio", "grad_norm_max", "loss_spike_zscore", "loss_rise_rel"), out)
+        check_positive(
+            self,
+            ("grad_spike_ratio", "grad_spike_zscore", "grad_norm_max", "loss_spike_zscore", "loss_rise_rel"),
+            out,
+        )
+        check_positive(self, ("loss_rise_zscore",), out, strict=False)
         check_positive(self, ("loss_spike_min_rel",), out, strict=False)
-        check_unit_interval(self, ("ema_beta", "loss_fast_beta"), out)
+        check_unit_interval(self, ("ema_beta",), out)
         if self.grad_spike_ratio is not None and self.grad_spike_ratio <= 1:
             out.append(f"grad_spike_ratio: got {self.grad_spike_ratio}, must be > 1 (or null)")
         if self.window < 3:
@@ -115,8 +143,23 @@ class RollbackConfig:
     verify: bool = field(
         default=True,
         metadata=_h(
-            "Before restoring, re-run the step's batch at the snapshot's weights; when it is as bad there "
-            "(bad data, not damaged weights) only skip."
+            "Before restoring, re-run the step's batch and the last verify_batches accepted steps' batches at "
+            "the current and the snapshot's weights; restore only when the snapshot does clearly better on them "
+            "(damaged weights), else only skip (bad data or noise)."
+        ),
+    )
+    verify_batches: int = field(
+        default=4,
+        metadata=_h(
+            "Accepted steps' batches re-run with the bad step's by the check (more batches: a paired comparison "
+            "less at the mercy of one batch's noise; 0 = the bad step's batch alone)."
+        ),
+    )
+    verify_margin: float = field(
+        default=0.1,
+        metadata=_h(
+            "Damaged weights: the summed loss of those batches at the current weights is at least this fraction "
+            "above the snapshot's (and the snapshot's numbers pass the skip rules)."
         ),
     )
     storage: Literal["memory", "disk"] = field(
@@ -149,7 +192,7 @@ class RollbackConfig:
             out.append(f"bad_steps: got {self.bad_steps}, must be <= window ({self.window})")
         if not 0.0 < self.lr_backoff <= 1.0:
             out.append(f"lr_backoff: got {self.lr_backoff}, must be in (0, 1]")
-        check_positive(self, ("max_rollbacks",), out, strict=False)
+        check_positive(self, ("max_rollbacks", "verify_batches", "verify_margin"), out, strict=False)
         return out
 
 

@@ -31,7 +31,35 @@ from hf_stable.core.step_tap import StepTapUser
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch")
 _KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
+_RISE_STEPS = 5  # a rise is sustained: the median of this many latest losses is above the bar too
+_MIN_RISES = 10  # accepted steps of rise-statistic history before its own spread is the noise
 _MID_BETA = 0.9  # the loss-rise reference: the lowest value of this EMA over the window (follows a fast descent)
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def _robust_scale(xs: list[float]) -> float:
+    """1.4826 x the median absolute deviation: the standard deviation of a normal sample, unmoved by outliers."""
+    med = _median(xs)
+    return 1.4826 * _median([abs(x - med) for x in xs])
+
+
+def _logs(xs) -> list[float] | None:
+    """The logs of a positive history (None when some value is <= 0: a custom loss)."""
+    xs = list(xs)
+    return [math.log(x) for x in xs] if all(x > 0 for x in xs) else None
+
+
+def _log_z(value: float, history) -> float | None:
+    """Robust z-score of log(value) against the log history (None without >= 3 positive values)."""
+    logs = _logs(history)
+    if logs is None or len(logs) < 3 or value <= 0:
+        return None
+    return robust_zscore(math.log(value), logs)
 
 
 @dataclass
@@ -64,19 +92,22 @@ class SkipGuard(StepTapUser, StabilityCallback):
         super().__init__()
         cfg = self._use_config(SkipConfig, config, overrides)
         window = cfg.window
-        self._loss_fast: float | None = None
+        self._recent: deque[float] = deque(maxlen=_RISE_STEPS)  # the latest plausible losses: the loss level now
+        self._rises: deque[float] = deque(maxlen=window)  # the rise statistic at accepted steps (its own noise)
         self._loss_mid: float | None = None
         self._mid_hist: deque[float] = deque(maxlen=window)
         self._spike_streak = 0
         self._norm_ema: float | None = None
         self._accepted = 0
         self._losses: deque[float] = deque(maxlen=window)
+        self._norms: deque[float] = deque(maxlen=window)
         self._skipped_total = 0
         self._skipped_steps: deque[int] = deque(maxlen=_KEEP_STEPS)  # bounded: a run may skip for days
         self._device = None
         self._off_reason: str | None = None
         self._listeners: list[Callable] = []
         self.last_verdict: StepVerdict | None = None
+        self.last_evidence: dict = {}
 
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:
@@ -85,8 +116,10 @@ class SkipGuard(StepTapUser, StabilityCallback):
             "norm_ema": self._norm_ema,
             "accepted": self._accepted,
             "losses": list(self._losses),
+            "norms": list(self._norms),
             "spike_streak": self._spike_streak,
-            "loss_fast": self._loss_fast,
+            "recent": list(self._recent),
+            "rises": list(self._rises),
             "loss_mid": self._loss_mid,
             "mid_hist": list(self._mid_hist),
         }
@@ -96,8 +129,10 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self._norm_ema = None if ema is None else float(ema)
         self._accepted = int(state.get("accepted", 0))
         self._losses = deque((float(x) for x in state.get("losses", [])), maxlen=self.window)
+        self._norms = deque((float(x) for x in state.get("norms", [])), maxlen=self.window)
         self._spike_streak = int(state.get("spike_streak", 0))
-        self._loss_fast = None if state.get("loss_fast") is None else float(state["loss_fast"])
+        self._recent = deque((float(x) for x in state.get("recent", [])), maxlen=_RISE_STEPS)
+        self._rises = deque((float(x) for x in state.get("rises", [])), maxlen=self.window)
         self._loss_mid = None if state.get("loss_mid") is None else float(state["loss_mid"])
         self._mid_hist = deque((float(x) for x in state.get("mid_hist", [])), maxlen=self.window)
 
@@ -141,29 +176,87 @@ class SkipGuard(StepTapUser, StabilityCallback):
         return self.last_verdict
 
     # --- decisions (pure, host numbers) -----------------------------------------------------------------
+    def noise(self) -> dict:
+        """The run's own noise, from the accepted steps in the window: the median and robust scale (1.4826 MAD)
+        of the log loss and of the log grad norm, and the step-to-step noise of the log loss (from successive
+        differences, so a trend does not count as noise). What every finite-step rule measures against."""
+        logs = _logs(self._losses)
+        out: dict = {"n": len(self._losses)}
+        if logs is not None and len(logs) >= 3:
+            out["loss_median"] = _median(list(self._losses))
+            out["loss_log_scale"] = _robust_scale(logs)
+            if len(logs) >= 4:
+                diffs = [b - a for a, b in zip(logs, logs[1:], strict=False)]
+                out["loss_step_noise"] = _robust_scale(diffs) / math.sqrt(2.0)
+        norms = _logs(self._norms)
+        if norms is not None and len(norms) >= 3:
+            out["grad_log_scale"] = _robust_scale(norms)
+        return out
+
+    def _rise_noise(self, noise: dict) -> tuple[float, float] | None:
+        """(centre, standard deviation) of the rise statistic on this run's healthy steps. The centre is its median
+        over the window's accepted steps (0 before `_MIN_RISES` of them); the deviation the larger of its robust
+        scale there (runs of hard batches and the tails included) and what independent step noise alone gives
+        through the level's median and the smoothed loss (a floor: a short, quiet history does not make a tiny
+        noise estimate)."""
+        step = noise.get("loss_step_noise")
+        model = None
+        if step is not None:  # a median of k normal values has variance ~ (pi / 2) / k; the EMA (1 - b) / (1 + b)
+            model = step * math.sqrt(math.pi / 2 / _RISE_STEPS + (1 - _MID_BETA) / (1 + _MID_BETA))
+        if len(self._rises) < _MIN_RISES:
+            return None if model is None else (0.0, model)
+        rises = list(self._rises)
+        return _median(rises), max(_robust_scale(rises), model or 0.0)
+
+    def _rise_stat(self, level: float) -> float | None:
+        """log(loss level / the window's lowest smoothed loss), None when not defined (no history, loss <= 0)."""
+        ref = min(self._mid_hist) if self._mid_hist else None
+        if ref is None or ref <= 0 or level <= 0:
+            return None
+        return math.log(level / ref)
+
+    def _rising(self, level: float | None, noise: dict, scale: float = 1.0) -> bool:
+        """A rise: the loss level `scale` x loss_rise_rel above the reference and `scale` x loss_rise_zscore
+        standard deviations of the rise statistic's own noise above its centre."""
+        stat = None if level is None else self._rise_stat(level)
+        if stat is None or stat <= math.log1p(self.loss_rise_rel * scale):
+            return False
+        ref = self._rise_noise(noise)
+        return self.loss_rise_zscore is None or ref is None or stat > ref[0] + scale * self.loss_rise_zscore * ref[1]
+
     def local_flags(self, grad_norm: float, loss: float | None, nonfinite_grads: bool = False) -> list[float]:
-        """[nonfinite, grad_spike, loss_spike, loss_rise] as 0/1 from this rank's numbers (no state change)."""
+        """[nonfinite, grad_spike, loss_spike, loss_rise] as 0/1 from this rank's numbers (no state change; the
+        statistics compared are left in `self.last_evidence`)."""
         bad = self.nonfinite and (
             nonfinite_grads or not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss))
         )
+        self.last_evidence = {}
         if bad:
             return [1.0, 0.0, 0.0, 0.0]
         warm = self._accepted >= self.warmup_steps
-        grad_spike = math.isfinite(grad_norm) and (
-            (self.grad_norm_max is not None and grad_norm > self.grad_norm_max)
-            or (
-                warm
-                and self.grad_spike_ratio is not None
-                and self._norm_ema is not None
-                and grad_norm > self.grad_spike_ratio * self._norm_ema
-            )
-        )
+        noise = self.noise() if warm else {}
+        evidence = self.last_evidence
+        grad_spike = math.isfinite(grad_norm) and self.grad_norm_max is not None and grad_norm > self.grad_norm_max
+        if (
+            not grad_spike
+            and warm
+            and math.isfinite(grad_norm)
+            and self.grad_spike_ratio is not None
+            and self._norm_ema is not None
+            and grad_norm > self.grad_spike_ratio * self._norm_ema
+        ):
+            z = _log_z(grad_norm, self._norms)
+            evidence["grad_z"] = z
+            grad_spike = self.grad_spike_zscore is None or z is None or z > self.grad_spike_zscore
         loss_spike = False
         if warm and loss is not None and self.loss_spike_zscore is not None and len(self._losses) >= 3:
-            median = sorted(self._losses)[len(self._losses) // 2]
-            loss_spike = robust_zscore(loss, list(self._losses)) > self.loss_spike_zscore and loss > median * (
-                1 + self.loss_spike_min_rel
-            )
+            median = noise.get("loss_median", _median(list(self._losses)))
+            if loss > median * (1 + self.loss_spike_min_rel):
+                z = _log_z(loss, self._losses)
+                if z is None:  # losses <= 0 (a custom loss): the z-score of the loss itself
+                    z = robust_zscore(loss, list(self._losses))
+                evidence["loss_z"] = z
+                loss_spike = z > self.loss_spike_zscore
         loss_rise = False
         if (
             warm
@@ -172,19 +265,30 @@ class SkipGuard(StepTapUser, StabilityCallback):
             and self._mid_hist
             and not (loss_spike or grad_spike)
         ):  # a spike is judged as a spike, not as a trend
-            loss_rise = self._fast_with(loss) > min(self._mid_hist) * (1 + self.loss_rise_rel)
+            level = self._level_with(loss)
+            loss_rise = self._rising(level, noise)
+            stat, ref = (None if level is None else self._rise_stat(level)), self._rise_noise(noise)
+            if stat is not None:
+                evidence["rise_log"] = stat
+            if ref is not None:
+                evidence["rise_centre"], evidence["rise_sigma"] = ref
+        if noise:
+            evidence.update({k: v for k, v in noise.items() if k != "n"}, window_steps=noise["n"])
         return [0.0, float(grad_spike), float(loss_spike), float(loss_rise)]
 
-    def _fast_with(self, loss: float) -> float:
-        b = self.loss_fast_beta
-        return loss if self._loss_fast is None else b * self._loss_fast + (1 - b) * loss
+    def _level_with(self, loss: float | None = None) -> float | None:
+        """The loss level now: the median of the latest plausible losses (with `loss`), robust to one hard batch;
+        None before there are 3 of them."""
+        latest = ([*self._recent, loss] if loss is not None else list(self._recent))[-_RISE_STEPS:]
+        return _median(latest) if len(latest) >= 3 else None
 
     @property
     def healthy(self) -> bool:
-        """False while the smoothed loss sits well above its reference (a rise under way): no time for a snapshot."""
-        if self.loss_rise_rel is None or self._loss_fast is None or not self._mid_hist:
+        """False while the smoothed loss sits well above its reference (half a rise, by both of the rise rule's
+        measures: a rise under way): no time for a snapshot."""
+        if self.loss_rise_rel is None or not self._mid_hist:
             return True
-        return self._loss_fast <= min(self._mid_hist) * (1 + self.loss_rise_rel / 2)
+        return not self._rising(self._level_with(), self.noise(), scale=0.5)
 
     def after_rollback(self, snapshot_stats: dict) -> None:
         """Called by `RollbackGuard` after restoring weights, with the references saved in the snapshot.
@@ -201,15 +305,17 @@ class SkipGuard(StepTapUser, StabilityCallback):
         else:
             self._norm_ema = self._loss_mid = None
             self._losses = deque(maxlen=self.window)
+            self._norms = deque(maxlen=self.window)
             self._mid_hist = deque(maxlen=self.window)
-        self._loss_fast = self._loss_mid
+            self._rises = deque(maxlen=self.window)
+        self._recent.clear()
         self._spike_streak = 0
 
     def after_bad_data(self) -> None:
         """Called by `RollbackGuard` when its check found the bad steps to be bad data (a declined rollback): the
         loss trend those batches drove up restarts from the accepted steps' smoothed loss, so the healthy batches
         after the burst are not judged a rise."""
-        self._loss_fast = self._loss_mid
+        self._recent.clear()
         self._spike_streak = 0
 
     def judge_with(self, stats: dict) -> Callable[..., list[float]]:
@@ -224,11 +330,16 @@ class SkipGuard(StepTapUser, StabilityCallback):
         if math.isfinite(grad_norm):
             b = self.ema_beta
             self._norm_ema = grad_norm if self._norm_ema is None else b * self._norm_ema + (1 - b) * grad_norm
+            self._norms.append(grad_norm)
         if loss is not None and math.isfinite(loss):
             self._losses.append(loss)
             b = _MID_BETA
             self._loss_mid = loss if self._loss_mid is None else b * self._loss_mid + (1 - b) * loss
             self._mid_hist.append(self._loss_mid)
+            level = self._level_with()
+            stat = None if level is None else self._rise_stat(level)
+            if stat is not None:
+                self._rises.append(stat)
         self._accepted += 1
 
     def decide(self, step: int, flags: list[float], grad_norm: float, loss: float | None) -> StepVerdict:
@@ -249,8 +360,12 @@ class SkipGuard(StepTapUser, StabilityCallback):
                 )
                 reasons = []
                 self._norm_ema, self._losses, self._spike_streak = None, deque(maxlen=self.window), 0
-                self._loss_fast = self._loss_mid = None
+                self._norms = deque(maxlen=self.window)
+                self._loss_mid = None
+                self._recent.clear()
                 self._mid_hist = deque(maxlen=self.window)
+                self._rises = deque(maxlen=self.window)
+            self._rises = deque(maxlen=self.window)
         else:
             self._spike_streak = 0
         verdict = StepVerdict(
@@ -262,7 +377,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
         )
         if loss is not None and math.isfinite(loss) and not {"nonfinite", "loss_spike", "grad_spike"} & set(reasons):
             # the trend follows every plausible loss (a rising one too), but not isolated spikes
-            self._loss_fast = self._fast_with(loss)
+            self._recent.append(loss)
         if not verdict.skip:
             self.learn(grad_norm, loss)
         if verdict.skip:
@@ -270,19 +385,41 @@ class SkipGuard(StepTapUser, StabilityCallback):
             self._skipped_steps.append(step)
             loss_txt = "n/a" if loss is None else f"{loss:.4g}"
             ref = "n/a" if self._norm_ema is None else f"{self._norm_ema:.4g}"
+            evidence = {k: round(v, 4) for k, v in self.last_evidence.items()}
             self.event(
                 step,
                 "step_skipped",
                 f"step {step} skipped on every rank ({', '.join(reasons)}): grad norm {grad_norm:.4g} "
-                f"(EMA {ref}), loss {loss_txt}; optimizer state untouched",
+                f"(EMA {ref}), loss {loss_txt}{self._explain(reasons, evidence)}; optimizer state untouched",
                 value=grad_norm,
                 severity="warning",
                 reasons=reasons,
                 loss=verdict.loss,
+                noise=evidence,
             )
         self.record({"guard/skipped": float(verdict.skip), "guard/skipped_total": float(self._skipped_total)})
         self.last_verdict = verdict
         return verdict
+
+    def _explain(self, reasons: list[str], ev: dict) -> str:
+        """The numbers a finite-step rule compared, for the event message (the noise it measured against)."""
+        n = ev.get("window_steps")
+        parts = []
+        if "loss_spike" in reasons and "loss_z" in ev:
+            parts.append(
+                f"log loss {ev['loss_z']:.3g} robust sd above the median {ev.get('loss_median', math.nan):.4g} "
+                f"(> {self.loss_spike_zscore:g}; sd {ev.get('loss_log_scale', math.nan):.3g} over {n} steps)"
+            )
+        if "grad_spike" in reasons and "grad_z" in ev:
+            parts.append(
+                f"log grad norm {ev['grad_z']:.3g} robust sd above its median (> {self.grad_spike_zscore:g}; sd "
+                f"{ev.get('grad_log_scale', math.nan):.3g} over {n} steps)"
+            )
+        if "loss_rise" in reasons and "rise_log" in ev:
+            sigma, centre = ev.get("rise_sigma"), ev.get("rise_centre", 0.0)
+            noise = f", {(ev['rise_log'] - centre) / sigma:.3g} sd of its noise {sigma:.3g}" if sigma else ""
+            parts.append(f"loss trend x{math.exp(ev['rise_log']):.3g} the recent best{noise}")
+        return f" - {'; '.join(parts)}" if parts else ""
 
     # --- Trainer hooks -------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
