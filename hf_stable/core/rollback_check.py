@@ -21,7 +21,11 @@ references: would this step have been skipped at the snapshot's weights?
   good batch is still finite, only some inputs overflow - skipping them is the cure, and a rollback plus an LR
   backoff would only repeat with every such batch (in `benchmarks/rescue.py`, fp16 seed 1: four rollbacks to step
   0 and an LR factor of 0.008 where skipping alone ended within 1 % of the clean run);
-* the real step was a spike or a rise: damaged if the snapshot's numbers pass every skip rule.
+* the real step was a spike or a rise: damaged if the snapshot does clearly better on the batches (their summed
+  loss at the current weights `verify_margin` above the snapshot's, or their gradient norm twice the snapshot's: a
+  paired comparison, the batches' own noise cancels) and its numbers pass every skip rule. The batches are the step's and the last `verify_batches` accepted
+  steps': at batch 1 one batch is one record, and whether a hard record is a little better at older weights says
+  nothing about damage (the former single-batch check confirmed healthy steps as damage in such runs).
 
 Sums are all-reduced, so every rank reaches the same verdict. Cost: two forward/backward passes of one step,
 only when a rollback is about to happen; the current trainable weights are copied to CPU meanwhile.
@@ -72,11 +76,13 @@ def _local_probe(model, params: list[torch.Tensor], tap: StepTap, args, inputs=N
 
 
 def probe_snapshot(
-    model, params: list[torch.Tensor], saved: list[torch.Tensor], args=None
+    model, params: list[torch.Tensor], saved: list[torch.Tensor], args=None, extra: list | None = None
 ) -> tuple[Probe, Probe] | None:
-    """(probe at the current weights, probe at `saved`), the live weights unchanged afterwards; None when the step
-    cannot be re-run on some rank (no captured batch, no loss, an error) - then nobody trusts a verdict."""
+    """(probe at the current weights, probe at `saved`) of the step's micro-batches and `extra` ones (e.g. recent
+    accepted steps'), the live weights unchanged afterwards; None when the step cannot be re-run on some rank (no
+    captured batch, no loss, an error) - then nobody trusts a verdict."""
     tap = StepTap.shared(model)
+    inputs = [*tap.inputs, *(extra or [])]
     device = params[0].device if params else torch.device("cpu")
     results: list[torch.Tensor] = []
     ok = bool(tap.attached and tap.inputs)
@@ -88,7 +94,7 @@ def probe_snapshot(
                     with torch.no_grad():
                         for p, w in zip(params, weights, strict=False):
                             p.copy_(w)
-                local = _local_probe(model, params, tap, args)
+                local = _local_probe(model, params, tap, args, inputs=inputs)
                 if local is None:
                     ok = False
                     break
@@ -129,13 +135,22 @@ def probe_inputs(model, params: list[torch.Tensor], inputs, args=None) -> Probe 
 
 
 def weights_damaged(
-    real_norm: float, real_loss: float, now: Probe, snap: Probe, judge, recent: Probe | None = None
+    real_norm: float,
+    real_loss: float,
+    now: Probe,
+    snap: Probe,
+    judge,
+    recent: Probe | None = None,
+    margin: float = 0.0,
 ) -> bool | None:
     """The verdict for a step the skip guard judged bad with (`real_norm`, `real_loss`): True = the weights are
     damaged (roll back), False = the data is (skip only), None = cannot tell (roll back, as without the check).
     `judge(grad_norm, loss)` returns the skip guard's flags for a step with those numbers (no state change).
     `recent`: the last accepted step's batch re-run at the current weights, when known: finite there, a batch that
-    is non-finite now is one the healthy weights overflow on, not a sign of damage."""
+    is non-finite now is one the healthy weights overflow on, not a sign of damage. `margin`: for a finite step,
+    damage also needs the probed batches' summed loss at the current weights at least this fraction above the
+    snapshot's, or their gradient norm twice the snapshot's - a paired comparison (same batches, two sets of
+    weights), so one hard batch's own noise cancels."""
     if not now.finite:  # the batch reproduces a non-finite result at the current weights
         if snap.finite and recent is not None and recent.finite:
             return False
@@ -146,6 +161,8 @@ def weights_damaged(
         return False
     if now.grad_norm <= 0 or now.loss == 0:
         return None
+    if now.loss < (1.0 + margin) * snap.loss and now.grad_norm < 2.0 * snap.grad_norm:
+        return False  # the snapshot does not do clearly better on these batches: nothing to undo
     grad_norm = snap.grad_norm * real_norm / now.grad_norm  # on the scale the Trainer (and the skip guard) saw
     loss = snap.loss * real_loss / now.loss
     return not any(judge(grad_norm, loss))

@@ -95,7 +95,8 @@ class RollbackGuard(StabilityCallback):
         self._store = SnapshotStore(storage)
         self._plan = (storage, verify)  # (storage, verify) in use, decided at train start
         self._rolled_back_at: int | None = None
-        self._good_inputs: list | None = None  # the last accepted step's micro-batches (references) for the check
+        # the last accepted steps' micro-batches (references, newest last) for the check
+        self._good_inputs: deque[list] = deque(maxlen=max(1, cfg.verify_batches))
         self._off = False
         self._model = None
         self._engine: StepEngine | None = None
@@ -276,16 +277,24 @@ class RollbackGuard(StabilityCallback):
         checked = "not checked"
         if self._plan[1] and model is not None and not self._store.empty:
             snapshot = self._store.load()
-            probes = probe_snapshot(model, optimizer_params(optimizer), snapshot["params"], args)
+            pooled = list(self._good_inputs)[-self.verify_batches :] if self.verify_batches else []
+            extra = [micro for step_inputs in pooled for micro in step_inputs]
+            probes = probe_snapshot(model, optimizer_params(optimizer), snapshot["params"], args, extra=extra)
             saved = snapshot["guard_states"].get(self.skip_guard.state_key, {})
             recent = None
             if probes is not None and not probes[0].finite and probes[1].finite:  # agreed values: all ranks enter
-                recent = probe_inputs(model, optimizer_params(optimizer), self._good_inputs, args)
+                last = self._good_inputs[-1] if self._good_inputs else None
+                recent = probe_inputs(model, optimizer_params(optimizer), last, args)
             damaged = (
                 None
                 if probes is None
                 else weights_damaged(
-                    verdict.grad_norm, verdict.loss, *probes, judge=self.skip_guard.judge_with(saved), recent=recent
+                    verdict.grad_norm,
+                    verdict.loss,
+                    *probes,
+                    judge=self.skip_guard.judge_with(saved),
+                    recent=recent,
+                    margin=self.verify_margin,
                 )
             )
             del snapshot
@@ -296,15 +305,19 @@ class RollbackGuard(StabilityCallback):
                 self.event(
                     step,
                     "rollback_declined",
-                    f"{self.bad_steps} bad steps within {self.window}, but the weights are not the cause: "
-                    f"re-run now {now}, at the snapshot's weights (step {snap_step}) {snap} - "
-                    "the batch is as bad there, or the fault does not reproduce. Bad data: every bad step "
-                    "was skipped, nothing to undo, LR unchanged",
+                    f"{self.bad_steps} bad steps within {self.window}, but the weights are not the cause: the "
+                    f"step's batch and {len(pooled)} accepted steps' re-run now: {now}, at the snapshot's weights "
+                    f"(step {snap_step}): {snap} - the snapshot does not do clearly better (loss "
+                    f"{self.verify_margin:.0%} lower or gradient norm halved), or the fault does not reproduce. Bad "
+                    "data or noise: every bad step was skipped, nothing to undo, LR unchanged",
                     value=snap_step,
                     threshold=self.bad_steps,
                     severity="warning",
                     grad_norm_now=now.grad_norm,
                     grad_norm_snapshot=snap.grad_norm,
+                    loss_now=now.loss,
+                    loss_snapshot=snap.loss,
+                    batches=1 + len(pooled),
                 )
                 return
             checked = "damaged weights" if damaged else "inconclusive"
@@ -343,7 +356,7 @@ class RollbackGuard(StabilityCallback):
             good = verdict is None or verdict.step != state.global_step or not verdict.skip
             if good and self._rolled_back_at != state.global_step:
                 if model is not None:  # a reference to the list the tap filled this step (it starts a new one)
-                    self._good_inputs = StepTap.shared(model).inputs
+                    self._good_inputs.append(StepTap.shared(model).inputs)
                 self._good_since += 1
                 self._held_said = False
                 if self._good_since >= self.interval(state.global_step) and self.skip_guard.healthy:
