@@ -22,8 +22,7 @@ def verification_markdown(check: dict | None) -> str:
         + f"| {check.get('max_abs_logit_diff', float('nan')):.3g} | {tol.get('max_abs_logit_diff', '—')} |",
         f"| mean KL(trained ‖ merged), nats | {check.get('mean_kl', float('nan')):.3g} | {tol.get('mean_kl', '—')} |",
         f"| top-1 agreement | {check.get('top1_agreement', float('nan')):.4f} | |",
-        f"| greedy generations equal | {n_eq} of {n} | "
-        + f"{1 - tol.get('generation_mismatch_fraction', 0):.0%} or more |",
+        f"| greedy generations equal | {n_eq} of {n} | " + f"≥ {1 - tol.get('generation_mismatch_fraction', 0):.0%} |",
     ]
     fingerprint = check.get("base_fingerprint")
     text = (
@@ -37,9 +36,14 @@ def verification_markdown(check: dict | None) -> str:
     q = check.get("qlora")
     if q:
         text += (
-            f"\n\nQLoRA: merged into the {q['merged_into']} base. Between merges into the dequantized 4-bit and the "
+            f"\n\nQLoRA: merged into the {q['merged_into']} base weights (dequantized: the 4-bit weights the adapter trained "
+            "against; original: the 16-bit checkpoint). Between merges into the dequantized 4-bit and the "
             f"original 16-bit weights the logits differ by mean |Δ| {q['mean_abs_logit_diff']:.3g}, max |Δ| "
             f"{q['max_abs_logit_diff']:.3g} on the same answer positions."
+        )
+    if check.get("numbers_judged") is False:
+        text += (
+            "\n\nThe logit and generation numbers are reported, not judged: this export is not the model as trained."
         )
     text += f"\n\nResult: **{'passed' if check.get('passed') else 'FAILED'}**"
     if check.get("problems"):

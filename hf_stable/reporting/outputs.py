@@ -15,7 +15,7 @@ def optimizer_markdown(table: list[dict]) -> str:
 
 
 def quantization_markdown(cfg) -> str:
-    """How the base was loaded when it was quantized (QLoRA), and how to merge the adapter: into the 16-bit base."""
+    """How the base was loaded when it was quantized (QLoRA), and how to merge the adapter: `hf-stable export`."""
     q = cfg.model.quantization
     if not q.enabled:
         return ""
@@ -27,8 +27,9 @@ def quantization_markdown(cfg) -> str:
     )
     return (
         f"The base was loaded in {what} through bitsandbytes (QLoRA); only the adapter was trained and saved. "
-        "To merge it, load the base unquantized, in bfloat16, not the quantized one (merging into 4-bit weights "
-        "rounds the update away):"
+        "The adapter was trained against the dequantized 4-bit weights: `hf-stable export` merges it into those "
+        "(not into the 16-bit base, which the adapter never saw; `merge_and_unload` on the quantized model would "
+        "round the update away) and verifies the merged checkpoint against the trained model:"
     )
 
 
