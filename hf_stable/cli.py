@@ -4,6 +4,7 @@ hf-stable audit DATA.jsonl --tokenizer DIR [--json]
 hf-stable report OUTPUT_DIR
 hf-stable doctor --config CONFIG.yaml [overrides] [--json]
 hf-stable build-base [--arch llama|qwen2|qwen3]
+hf-stable export RUN_DIR [--out DIR] [--dtype float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SUBCOMMANDS = {
     "report": ("hf_stable.reporting.report", "main", "render the stability report of an output dir"),
     "doctor": ("hf_stable.doctor", "main", "preflight checks: environment, config hazards, dry run"),
     "build-base": ("hf_stable.embedded.cli", "main", "build (or find cached) the tiny embedded base model"),
+    "export": ("hf_stable.export.cli", "main", "merge a run's LoRA into its base and verify the checkpoint"),
 }
 
 

@@ -65,3 +65,7 @@ class Preempted(BaseException):
 
 class MissingDependencyError(HfStableError, ImportError):
     """An optional extra is needed for what was asked."""
+
+
+class ExportError(HfStableError):
+    """A merged export cannot be written or does not reproduce the trained model (`hf-stable export`)."""

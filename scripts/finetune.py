@@ -26,12 +26,14 @@ from hf_stable.data import build_data
 from hf_stable.distributed import prepare_launch, shutdown
 from hf_stable.doctor import preflight
 from hf_stable.evaluation import evaluate_run, results_line
+from hf_stable.export.exporter import export_after_training
+from hf_stable.export.reference import record_after_training
 from hf_stable.logging import get_logger, is_main_process, print_main
 from hf_stable.modeling import apply_lora, count_parameters, load_model, load_tokenizer, resolve_base
 from hf_stable.optim import build_optimizer, format_group_table, group_table, trainer_optimizer_arguments
 from hf_stable.optim.phases import wrap_for_phases
 from hf_stable.outputs import OutputDir, error_boundary
-from hf_stable.reporting import finalize_outputs
+from hf_stable.reporting import finalize_outputs, save_generation_config
 from hf_stable.trainer import StableTrainer
 
 logger = get_logger("finetune")
@@ -115,11 +117,16 @@ def main(argv: list[str]) -> None:
         after = evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="after")
         before = before.result if before is not None else {}
 
-        # 6. adapter, tokenizer, state, plots, model card, summary
+        # 6. adapter, tokenizer, generation config, state; the reference a merged export is verified against (the
+        # trained model's answer logits and greedy generations on held-out prompts); the merged export when asked
+        # (rank 0, the others wait; a failed export is a failed run); plots, model card, summary
         trainer.save_model(args.output_dir)
         trainer.save_state()
         if is_main_process():
             tokenizer.save_pretrained(args.output_dir)
+            save_generation_config(args.output_dir, trainer.model, tokenizer, data.stop_token_ids)
+        record_after_training(trainer.model, tokenizer, data, cfg, args.output_dir, base)
+        exported = export_after_training(cfg, args.output_dir)
         summary = {
             "base_model": cfg.model.name_or_path,
             "eval_loss_before": before.get("eval_loss"),
@@ -136,6 +143,8 @@ def main(argv: list[str]) -> None:
                 "after": after.get("exact_match_detail"),
             },
         }
+        if exported is not None:
+            summary["export"] = exported
         if is_main_process():
             finalize_outputs(output, cfg, trainer, summary, data=data, optimizer_table=table)
         output.finish(summary)

@@ -31,7 +31,9 @@ SHAPES = {
 @pytest.fixture(scope="module")
 def qlora_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qlora")
-    proc = run_recipe(["--config", "configs/tiny-qlora.yaml", *tiny_overrides(tmp, steps=8)])
+    proc = run_recipe(
+        ["--config", "configs/tiny-qlora.yaml", *tiny_overrides(tmp, steps=8), "--export.merged", "true"]
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return tmp / "out", proc
 
@@ -48,10 +50,25 @@ def test_tiny_qlora_recipe_trains_and_saves_the_adapter_alone(qlora_run):
     assert "load_in: 4bit" in resolved
     card = (out / "README.md").read_text()
     assert "loaded in 4-bit NF4 (with double quantization" in card and "- qlora" in card
-    assert "dtype=torch.bfloat16" in card and "merge_and_unload()" in card
+    assert "hf-stable export <this directory>" in card and "## Merged export" in card
     path = out / "stability_events.jsonl"  # written when there is an event
     events = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
     assert not [e for e in events if e["kind"] in ("nonfinite_grad", "nonfinite_loss", "rollback")]
+
+
+def test_tiny_qlora_export_merges_into_the_dequantized_base_and_reports_the_16bit_difference(qlora_run):
+    """The adapter trained against the dequantized NF4 weights: merged into those, the float32 export reproduces the
+    trained model; merged into the original weights it would differ by the quantization error, reported."""
+    out, _ = qlora_run
+    check = json.loads((out / "merged" / "export_check.json").read_text())
+    assert check["passed"] and check["max_abs_logit_diff"] < 1e-5 and check["mean_kl"] < 1e-7
+    assert check["generations_equal"] == check["generations_total"] == 16
+    assert not check["config_has_quantization_config"]
+    q = check["qlora"]
+    assert q["merged_into"] == "dequantized" and q["mean_abs_logit_diff"] > 100 * check["max_abs_logit_diff"]
+    config = json.loads((out / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert "4-bit weights the adapter trained" in (out / "merged" / "README.md").read_text()
 
 
 def _reduced_base(out: Path, arch: str, hidden: int, inter: int, heads: int, kv: int, vocab: int) -> Path:

@@ -117,6 +117,11 @@ def config_problems(cfg) -> list[str]:
     problems += guard_problems(cfg, _number(training.get("max_steps", defaults.get("max_steps"))))
     problems += optimizer_problems(cfg, training, {k: defaults.get(k) for k in _OPTIMIZER_KEYS})
     problems += quantization_problems(cfg)
+    if cfg.export.merged and not cfg.lora.enabled:
+        problems.append(
+            "export.merged: true with lora.enabled: false; a full fine-tune's output dir is already a standalone "
+            "checkpoint (load it with from_pretrained): set export.merged: false"
+        )
     return problems
 
 

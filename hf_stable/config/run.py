@@ -18,6 +18,7 @@ from hf_stable.config.attention import AttentionConfig
 from hf_stable.config.data import DataConfig
 from hf_stable.config.doctor import DoctorConfig
 from hf_stable.config.evaluation import EvaluationConfig
+from hf_stable.config.export import ExportConfig
 from hf_stable.config.loader import build_section, check_size, coerce, parse_overrides, read_yaml, set_dotted
 from hf_stable.config.model import LoraSection, ModelConfig
 from hf_stable.config.optim import OptimConfig
@@ -41,6 +42,10 @@ class RunConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    export: ExportConfig = field(
+        default_factory=ExportConfig,
+        metadata={"help": "Reference recorded at the end of training; merged export (`hf-stable export`)."},
+    )
     doctor: bool = field(default=False, metadata={"help": "Run `hf-stable doctor` checks before training."})
     doctor_checks: DoctorConfig = field(
         default_factory=DoctorConfig,

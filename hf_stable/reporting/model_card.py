@@ -60,11 +60,12 @@ def write_model_card(
     stability_section: str = "",
     doctor_section: str = "",
     quantization_section: str = "",
+    export_section: str = "",
     tags: list[str] | None = None,
     stop_tokens: list[str] | None = None,
 ) -> Path:
     """Render README.md into `output_dir` and return its path (`stop_tokens`: what the saved generation config stops
-    at, named in the card's Use section)."""
+    at, named in the card's Use section; `export_section`: the merged export and its verification, when made)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     data_cfg = config.get("data", {})
@@ -108,6 +109,7 @@ def write_model_card(
         stability_section=stability_section or "No stability events were recorded.",
         doctor_section=doctor_section,
         quantization_section=quantization_section,
+        export_section=export_section,
         stop_tokens=", ".join(f"`{t}`" for t in stop_tokens or []),
         config_yaml=yaml.safe_dump(config, sort_keys=False, allow_unicode=True).strip(),
         versions=_versions(),

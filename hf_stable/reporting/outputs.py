@@ -15,7 +15,7 @@ def optimizer_markdown(table: list[dict]) -> str:
 
 
 def quantization_markdown(cfg) -> str:
-    """How the base was loaded when it was quantized (QLoRA), and how to merge the adapter: into the 16-bit base."""
+    """How the base was loaded when it was quantized (QLoRA), and how to merge the adapter: `hf-stable export`."""
     q = cfg.model.quantization
     if not q.enabled:
         return ""
@@ -27,13 +27,15 @@ def quantization_markdown(cfg) -> str:
     )
     return (
         f"The base was loaded in {what} through bitsandbytes (QLoRA); only the adapter was trained and saved. "
-        "To merge it, load the base unquantized, in bfloat16, not the quantized one (merging into 4-bit weights "
-        "rounds the update away):"
+        "The adapter was trained against the dequantized 4-bit weights: `hf-stable export` merges it into those "
+        "(not into the 16-bit base, which the adapter never saw; `merge_and_unload` on the quantized model would "
+        "round the update away) and verifies the merged checkpoint against the trained model:"
     )
 
 
 def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=None, optimizer_table=None) -> None:
     """Write the generation config, the loss/LR plot, the stability report and the model card into the output dir."""
+    from hf_stable.export.card import export_markdown
     from hf_stable.reporting.generation_config import save_generation_config
     from hf_stable.reporting.model_card import write_model_card
     from hf_stable.reporting.plots import plot_loss_lr
@@ -64,5 +66,6 @@ def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=Non
         stability_section=render_report(output.path),
         doctor_section=doctor_md.read_text(encoding="utf-8") if doctor_md.is_file() else "",
         quantization_section=quantization_markdown(cfg),
+        export_section=export_markdown(summary.get("export")),
         stop_tokens=tokenizer.convert_ids_to_tokens(stops) if tokenizer is not None and stops else None,
     )
