@@ -22,6 +22,16 @@ def test_nan_on_one_rank_skips_on_both_and_weights_stay_identical(tmp_path):
         _check(out)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_nan_on_one_rank_at_batch_1_is_still_skipped_on_both(tmp_path):
+    # one record per rank and step (the noisiest steps there are): the noise-calibrated rules leave the clean steps
+    # alone and the non-finite ones are skipped on both ranks all the same
+    env = {"GUARDS_DDP_TIMEOUT": "150", "GUARDS_DDP_BATCH": "1", "GUARDS_DDP_TRAINERS": "stable"}
+    torchrun_two_ranks(SCRIPT, str(tmp_path), timeout=200, env=env)
+    _check(tmp_path / "stable")
+
+
 def _check(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert ranks[0]["world_size"] == 2

@@ -307,3 +307,58 @@ def test_rollback_check_tells_damaged_weights_from_bad_data():
     # ... unless the last accepted batch is still finite at the current weights: healthy weights, an input overflows
     assert not weights_damaged(nan, nan, Probe(nan, nan), Probe(1.0, 2.0), judge, recent=Probe(1.1, 2.1))
     assert weights_damaged(nan, nan, Probe(nan, nan), Probe(1.0, 2.0), judge, recent=Probe(nan, nan))
+
+
+def _feed(skip, losses, norms, start=1):
+    """Decide steps from `start` on with these (loss, grad norm) pairs; the steps skipped."""
+    skipped = []
+    for step, (loss, norm) in enumerate(zip(losses, norms, strict=True), start):
+        if skip.decide(step, skip.local_flags(norm, loss), norm, loss).skip:
+            skipped.append(step)
+    return skipped
+
+
+def _noisy(n, level, log_sd, seed):
+    rng = random.Random(seed)
+    return [level * math.exp(rng.gauss(0, log_sd)) for _ in range(n)]
+
+
+def test_skip_rules_are_calibrated_to_the_runs_own_noise():
+    # batch 1: one record per step, so the step loss spreads like records do (log sd 0.35, as in the embedded
+    # recipe's clean batch-1 runs: hard records at 2-3x the median) and the grad norm more (log sd 0.6)
+    losses, norms = _noisy(400, 2.3, 0.35, seed=1), _noisy(400, 9.0, 0.6, seed=2)
+    assert _feed(SkipGuard(), losses, norms) == []  # healthy training is left alone
+    # the same trace with the rise judged by its margin alone (no noise estimate) is skipped here and there
+    assert len(_feed(SkipGuard(loss_rise_zscore=None), losses, norms)) >= 4
+    # ... while what no noise explains is still caught at that noise: a 20x loss, a 40x gradient, a sustained rise
+    skip = SkipGuard()
+    _feed(skip, losses[:200], norms[:200])
+    assert skip.local_flags(9.0, 2.3 * 20) == [0, 0, 1, 0]
+    assert skip.local_flags(9.0 * 40, 2.3) == [0, 1, 0, 0]
+    rising = _feed(skip, [6.0 * x for x in losses[200:212]], norms[200:212], start=201)
+    assert len(rising) >= 4 and {r for e in skip.events[-len(rising) :] for r in e["reasons"]} == {"loss_rise"}
+    event = skip.events[-1]
+    assert event["noise"]["rise_sigma"] > 0 and "sd of its noise" in event["message"]
+    # batch 8: the step loss averages 8 records (log sd 0.05): a 2.2x batch is a spike, a 1.6x level a rise
+    skip = SkipGuard()
+    assert _feed(skip, _noisy(100, 1.6, 0.05, seed=3), _noisy(100, 1.0, 0.1, seed=4)) == []
+    assert skip.local_flags(1.0, 1.6 * 2.2) == [0, 0, 1, 0]
+    assert _feed(skip, [1.6 * 1.6] * 6, [1.0] * 6, start=101)[-3:] == [104, 105, 106]
+
+
+def test_rollback_evidence_is_a_paired_comparison_over_several_batches():
+    from hf_stable.core.rollback_check import Probe, weights_damaged
+
+    skip = SkipGuard()
+    _feed(skip, _noisy(60, 2.3, 0.35, seed=5), _noisy(60, 9.0, 0.6, seed=6))
+    judge = skip.local_flags
+    # batch 1: a rise skipped on a hard record; re-run with 4 accepted steps' batches, the snapshot is a little
+    # better (older weights, one record it happened to fit better) - noise, not damage: declined
+    assert weights_damaged(12.0, 6.0, Probe(30.0, 14.0), Probe(29.0, 13.3), judge, margin=0.1) is False
+    # the same numbers without the margin would have restored (the former single-batch rule's verdict)
+    assert weights_damaged(12.0, 6.0, Probe(30.0, 14.0), Probe(29.0, 13.3), judge, margin=0.0) is True
+    # damaged weights: the snapshot does clearly better on the same batches (loss 40 % lower, or gradient halved)
+    assert weights_damaged(12.0, 6.0, Probe(30.0, 14.0), Probe(20.0, 8.4), judge, margin=0.1) is True
+    assert weights_damaged(60.0, 2.3, Probe(200.0, 11.0), Probe(40.0, 10.8), judge, margin=0.1) is True
+    # as bad at the snapshot (a garbage batch reproduces its loss at any weights): data, never a rollback
+    assert weights_damaged(12.0, 6.0, Probe(30.0, 14.0), Probe(31.0, 14.2), judge, margin=0.1) is False

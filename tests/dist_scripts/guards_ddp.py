@@ -11,7 +11,8 @@ rank 1 only:
   The rollback check re-runs the batch on each rank at the current and the snapshot's weights; its all-reduced
   numbers (NaN now, finite at the snapshot) say "damaged" on both, and both restore the snapshot of step 0.
 
-Both ranks must skip steps 3, 6 and 8, roll back at 8, end with bitwise identical finite weights, and never hang
+`GUARDS_DDP_BATCH=1` (records per rank and step) with `GUARDS_DDP_TRAINERS=stable` runs the `StableTrainer` pass
+alone at batch 1. Both ranks must skip steps 3, 6 and 8, roll back at 8, end with bitwise identical finite weights, and never hang
 (the faulthandler below turns a hang into stack traces and an exit). The same run follows with `StableTrainer` in
 the same process group (results in OUT/stable/), a gradient monitor listed first: the statistics (and the loss
 summed over ranks) are taken before the step-6 edit, so only rank 1 recomputes them for the skip guard - without
@@ -49,8 +50,10 @@ from hf_stable.trainer import StableTrainer
 
 def main(out: str) -> None:
     faulthandler.dump_traceback_later(int(os.environ.get("GUARDS_DDP_TIMEOUT", "150")), exit=True)
-    run(out, Trainer)
-    run(str(Path(out, "stable")), StableTrainer, first=[GradientMonitor()])
+    batch = int(os.environ.get("GUARDS_DDP_BATCH", "2"))  # per rank; 1: each rank's step loss is one record's
+    if os.environ.get("GUARDS_DDP_TRAINERS", "both") == "both":
+        run(out, Trainer, batch=batch)
+    run(str(Path(out, "stable")), StableTrainer, first=[GradientMonitor()], batch=batch)
     shutdown()  # leave together: a gloo rank whose peer already exited can abort at interpreter shutdown
     # Results are on disk. Skip interpreter finalisation: torch's gloo teardown at exit sometimes aborts
     # ("terminate called without an active exception", ~1 run in 10 here), which would fail a correct run.
@@ -59,13 +62,13 @@ def main(out: str) -> None:
     os._exit(0)
 
 
-def run(out: str, trainer_cls, first=()) -> None:
+def run(out: str, trainer_cls, first=(), batch: int = 2) -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     model = tiny_lora_llama()
     LossFault(model, [3], rank=1)
     guards = build_guards(GuardsConfig())
     rec = Recorder(model)
-    args = training_args(out, max_steps=10, per_device_train_batch_size=2)
+    args = training_args(out, max_steps=10, per_device_train_batch_size=batch)
     callbacks = [*first, GradFaultOnRank(step=6, rank=1), *guards, rec, WeightDamage(model, [7], rank=1)]
     trainer = trainer_cls(model=model, args=args, train_dataset=token_data(64), callbacks=callbacks)
     trainer.train()
