@@ -74,7 +74,7 @@ def run(spec: dict, tree: Path) -> dict:
             cmd = [sys.executable, str(ROOT / "benchmarks" / "specificity_faults.py"), spec["kind"]]
             cmd += recipe_argv(spec, out)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree), "HF_STABLE_LOG_LEVEL": "WARNING"}
-        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=False, cwd=tree, env=env, capture_output=True, text=True)
         result = {**spec, "rc": proc.returncode}
         summary = Path(out) / "run_summary.json"
         if proc.returncode != 0 or not summary.exists():
@@ -101,6 +101,11 @@ def run(spec: dict, tree: Path) -> dict:
     return result
 
 
+def cell(kind: str, model: str, batch: int, packing: str, lr: float, seed: int, arm: str, steps: int) -> dict:
+    return {"kind": kind, "model": model, "batch": batch, "packing": packing, "lr": lr, "seed": seed, "arm": arm,
+            "steps": steps}  # fmt: skip
+
+
 def grid(a) -> list[dict]:
     specs = []
     for model in a.models:
@@ -109,19 +114,16 @@ def grid(a) -> list[dict]:
                 for seed in a.seeds:
                     for arm in a.arms:
                         lr = LRS[model][batch]
-                        specs.append(dict(kind="clean", model=model, batch=batch, packing=packing, lr=lr, seed=seed))
-                        specs[-1].update(arm=arm, steps=a.steps)
+                        specs.append(cell("clean", model, batch, packing, lr, seed, arm, a.steps))
     if a.corner:
         for batch in (1, 2):
             for seed in a.seeds:
                 for arm in a.arms:
-                    specs.append(dict(kind="clean", model="lora", batch=batch, packing="on", lr=CORNER_LR, seed=seed))
-                    specs[-1].update(arm=arm, steps=a.steps)
+                    specs.append(cell("clean", "lora", batch, "on", CORNER_LR, seed, arm, a.steps))
     if a.faults:
         for kind in ("nan", "burst"):
             for seed in a.seeds:
-                specs.append(dict(kind=kind, model="lora", batch=1, packing="on", lr=2e-4, seed=seed))
-                specs[-1].update(arm="on", steps=a.steps)
+                specs.append(cell(kind, "lora", 1, "on", 2e-4, seed, "on", a.steps))
     for s in specs:
         s["label"] = a.label if s["arm"] == "on" else "off"
     return specs
@@ -238,7 +240,9 @@ def main() -> None:
                     continue
                 with path.open("a") as f:
                     f.write(json.dumps(r) + "\n")
-                state = r.get("error", "")[-300:] or f"eval {r['eval_loss']:.4f} skips {r['skips']} rb {r['rollbacks']}"
+                state = (
+                    r.get("error", "")[-300:] or f"eval {r['eval_loss']:.4f} skips {r['skips']} rb {r['rollbacks']}"
+                )
                 print(f"[{i}/{len(todo)}] {run_key(r)}: {state}", flush=True)
         done = load(path)
     labels = sorted({r["label"] for r in done.values() if r["arm"] == "on"})

@@ -54,7 +54,7 @@ class FaultInjector(TrainerCallback):
 
 def main() -> None:
     kind, argv = sys.argv[1], sys.argv[2:]
-    import hf_stable.callbacks as callbacks
+    from hf_stable import callbacks
 
     build = callbacks.build_callbacks
 

@@ -17,6 +17,7 @@ accepted steps only; a level that persists `max_consecutive_skips` steps becomes
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -186,7 +187,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
             out["loss_median"] = _median(list(self._losses))
             out["loss_log_scale"] = _robust_scale(logs)
             if len(logs) >= 4:
-                diffs = [b - a for a, b in zip(logs, logs[1:], strict=False)]
+                diffs = [b - a for a, b in itertools.pairwise(logs)]
                 out["loss_step_noise"] = _robust_scale(diffs) / math.sqrt(2.0)
         norms = _logs(self._norms)
         if norms is not None and len(norms) >= 3:
