@@ -129,7 +129,6 @@ def test_record_ids_reach_the_tap_never_the_forward(tmp_path, packing):
     assert len(seen) == 16 and sorted(seen) == list(range(500, 516))  # every record once, 2 steps x 2 x 4
 
 
-
 def test_another_collators_record_ids_reach_the_model_untouched(tmp_path):
     """A collator that is not hf_stable's may carry a ``record_ids`` key of its own (a model or a custom
     compute_loss that reads it): StableTrainer leaves it in the batch, as the stock Trainer does."""
@@ -147,6 +146,7 @@ def test_another_collators_record_ids_reach_the_model_untouched(tmp_path):
     StableTrainer(model=model, args=args, train_dataset=rows, data_collator=user_collator, callbacks=[spy]).train()
     assert len(spy.keys) == 2 and all("record_ids" in k for k in spy.keys)  # the user's key reached the forward
     assert all(step == [None] for step in spy.steps)  # and was not taken as hf_stable's forensics ids
+
 
 def _alone(model, ids, labels):
     out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]), use_cache=False)
