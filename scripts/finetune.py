@@ -14,6 +14,8 @@ import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# hf_stable first: it quiets bitsandbytes' "pip install kernels" notice before transformers imports bitsandbytes
+import hf_stable  # noqa: F401, I001
 from transformers import set_seed
 
 from hf_stable.callbacks import build_callbacks
