@@ -40,7 +40,7 @@ from transformers.trainer_utils import has_length
 from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.compat import foreach_mul_, has_mixed_mesh_grads
-from hf_stable.core.engine import DeepSpeedEngine, StepEngine
+from hf_stable.core.engine import DeepSpeedEngine, StepEngine, refuse_fsdp1
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.step_tap import RECORD_IDS_KEY, StepTap
 from hf_stable.data.epochs import EpochStreamSampler
@@ -51,6 +51,8 @@ class StableTrainer(Trainer):
     """`Trainer` that computes the step's gradient norm (and clip) from the shared `GradStats` pass."""
 
     def __init__(self, *args, **kwargs):
+        # FSDP1 is refused before accelerate builds its plugin (which on CPU ranks fails for FSDP1, less clearly)
+        refuse_fsdp1(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         order_for_reporting(self)  # reporters (TensorBoard, W&B ...) after the callbacks whose metrics they write
         if self.model is not None:  # tells the monitors their numbers are pre-clip even with max_grad_norm > 0
