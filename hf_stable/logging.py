@@ -84,6 +84,17 @@ def optional_kernels_notice() -> OptionalKernelsNotice:
     return f
 
 
+def say_on_this_rank(message: str) -> None:
+    """Print what only this process knows or does (a build one rank makes for all, a wait on another rank), on any
+    rank (the hf_stable logger prints on rank 0 only), labelled with the rank when several were launched."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or not is_main_process()
+    text = f"rank {process_rank()}: {message}" if launched else message
+    if is_main_process():
+        get_logger("hf_stable").info(text)
+    else:
+        print(f"[hf_stable] {text}", file=sys.stderr, flush=True)
+
+
 def print_main(*args, **kwargs) -> None:
     """`print` on the main process only."""
     if is_main_process():

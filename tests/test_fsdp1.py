@@ -22,7 +22,7 @@ from hf_stable.core.engine import fsdp1_source
 from hf_stable.errors import ConfigError
 from hf_stable.trainer import StableTrainer
 from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
-from tests.dist_scripts.harness import ROOT, torchrun_two_ranks
+from tests.dist_scripts.harness import ROOT, tiny_base_args, torchrun_two_ranks
 
 
 def _fsdp_args(tmp_path, version: int):
@@ -87,12 +87,13 @@ def test_accelerate_fsdp_plugin_version_decides():
 def test_the_recipe_stops_on_fsdp1_with_one_message(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts/finetune.py"), "--training.output_dir", str(tmp_path / "out")]
     cmd += ["--training.fsdp", "full_shard", "--training.fsdp_config", "{fsdp_version: 1}"]
+    cmd += ["--model.name_or_path", "embedded:tiny-llama", *tiny_base_args(tmp_path / "bases")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.count("1 configuration problem(s)") == 1 and "Traceback" not in proc.stderr
     assert "TrainingArguments.fsdp_config has fsdp_version 1" in proc.stderr and "fsdp_version: 2" in proc.stderr
-    assert "building embedded base" not in proc.stdout + proc.stderr  # stopped before any model
+    assert "trainable of" not in proc.stdout + proc.stderr  # stopped before the model is loaded
 
 
 @pytest.mark.slow
