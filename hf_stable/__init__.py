@@ -2,6 +2,10 @@
 
 from hf_stable.config import RunConfig, load_config
 from hf_stable.errors import ConfigError, DataError, HfStableError, ModelError
+from hf_stable.logging import optional_kernels_notice
+
+# before anything imports peft (and with it bitsandbytes): its "pip install kernels" warning is for 4-bit on CPU only
+optional_kernels_notice()
 
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (dynamic), the model card prints it
 

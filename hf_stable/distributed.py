@@ -263,9 +263,14 @@ def prepare_launch(args) -> None:
       communication layer, so ZeRO-3's `zero.Init` (used by `from_pretrained`) sees a world of 1 and rejects
       the batch size. Wrapping the existing group fixes that; on GPUs accelerate has already done it.
 
+    * Refuses FSDP1 (`core.engine.refuse_fsdp1`) before any model is built.
+
     Raises:
-        ConfigError: `WORLD_SIZE` > 1 but `args.world_size` differs; the message says how to fix it.
+        ConfigError: `WORLD_SIZE` > 1 but `args.world_size` differs, or FSDP1; the message says how to fix it.
     """
+    from hf_stable.core.engine import refuse_fsdp1
+
+    refuse_fsdp1(args)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and args.world_size != launched:
         from hf_stable.errors import ConfigError

@@ -86,7 +86,22 @@ def _quantized_load(cfg: RunConfig) -> dict:
     require("bitsandbytes", f"model.quantization.load_in: {q.load_in}")
     use_cpu = bool(cfg.training.get("use_cpu")) or not torch.cuda.is_available()
     device = "cpu" if use_cpu else int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if use_cpu and q.load_in == "4bit":
+        _say_missing_cpu_kernel()
     return {"quantization_config": q.bnb_config(), "device_map": {"": device}}
+
+
+def _say_missing_cpu_kernel() -> None:
+    """4-bit on CPU is where bitsandbytes' fused kernel would run: say what `hf_stable.logging` kept quiet."""
+    import bitsandbytes  # noqa: F401  (its import is what tries the kernel)
+
+    from hf_stable.logging import optional_kernels_notice
+
+    if optional_kernels_notice().dropped:
+        logger.info(
+            "bitsandbytes' fused CPU 4-bit kernel is not installed (`pip install kernels`, >= 0.11.1): 4-bit layers "
+            "use bitsandbytes' slower fallback"
+        )
 
 
 def is_quantized(model) -> bool:

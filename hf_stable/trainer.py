@@ -9,7 +9,9 @@ Every hf_stable callback works in a stock `Trainer`; this subclass removes what 
   they are (the stock clip turns every gradient NaN and hides which parameter went bad).
 * Reporting integrations run after our callbacks (`order_for_reporting`), so they log hf_stable's metrics.
 * The batch's ``record_ids`` (`data.identity`) are popped before the forward and handed to the `StepTap` for the
-  spike forensics; the train sampler skips quarantined records (`forensics.quarantine`).
+  spike forensics - only when hf_stable's own collator (which this trainer asked for them) made the batch; another
+  collator's ``record_ids`` are the user's and reach the model untouched. The train sampler skips quarantined
+  records (`forensics.quarantine`).
 * With a guard that changes gradient accumulation (batch warmup, thermal), the sampler is an `EpochStreamSampler`
   holding every micro-batch the plan can ask for, and a resume skips the micro-batches really consumed (not
   `global_step x accumulation`), so it continues bit for bit.
@@ -38,7 +40,7 @@ from transformers.trainer_utils import has_length
 from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.compat import foreach_mul_, has_mixed_mesh_grads
-from hf_stable.core.engine import DeepSpeedEngine, StepEngine
+from hf_stable.core.engine import DeepSpeedEngine, StepEngine, refuse_fsdp1
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.step_tap import RECORD_IDS_KEY, StepTap
 from hf_stable.data.epochs import EpochStreamSampler
@@ -49,12 +51,18 @@ class StableTrainer(Trainer):
     """`Trainer` that computes the step's gradient norm (and clip) from the shared `GradStats` pass."""
 
     def __init__(self, *args, **kwargs):
+        # FSDP1 is refused before accelerate builds its plugin (which on CPU ranks fails for FSDP1, less clearly)
+        refuse_fsdp1(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         order_for_reporting(self)  # reporters (TensorBoard, W&B ...) after the callbacks whose metrics they write
         if self.model is not None:  # tells the monitors their numbers are pre-clip even with max_grad_norm > 0
             GradStats.shared(self.model).pre_clip = True
-        if hasattr(self.data_collator, "return_record_ids"):  # hf_stable's collators: we take them out again
+        # hf_stable's collators: we ask for the record ids and take them out again before the forward (the
+        # collator that was asked is remembered: a key of the same name from any other collator is the user's)
+        self._record_ids_collator = None
+        if hasattr(self.data_collator, "return_record_ids"):
             self.data_collator.return_record_ids = True
+            self._record_ids_collator = self.data_collator
 
     def _reads_gradients(self, model) -> bool:
         from accelerate.utils import DistributedType
@@ -153,7 +161,8 @@ class StableTrainer(Trainer):
         wrapper._hf_stable_hosted = adapter.hosted = True
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        record_ids = inputs.pop(RECORD_IDS_KEY, None) if isinstance(inputs, dict) else None
+        ours = self._record_ids_collator is not None and self._record_ids_collator is self.data_collator
+        record_ids = inputs.pop(RECORD_IDS_KEY, None) if ours and isinstance(inputs, dict) else None
         if record_ids is not None and self.model is not None:
             StepTap.shared(self.model).note_record_ids(record_ids)
         return super().compute_loss(

@@ -14,6 +14,8 @@ import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# hf_stable first: it quiets bitsandbytes' "pip install kernels" notice before transformers imports bitsandbytes
+import hf_stable  # noqa: F401, I001
 from transformers import set_seed
 
 from hf_stable.callbacks import build_callbacks
@@ -43,6 +45,10 @@ def main(argv: list[str]) -> None:
     started = time.time()
     with error_boundary():
         cfg = load_config(argv=argv)
+        # an embedded base is built (ranks share one build through a file lock) before TrainingArguments: with a ZeRO-3
+        # config every model construction after them is a collective that a rank building alone would hang in
+        if cfg.model.is_embedded:
+            resolve_base(cfg.model)
         # hf_stable owns clipping (max_grad_norm=0) and, for batch warmup / thermal, gradient accumulation
         args = training_arguments(
             cfg, remove_unused_columns=False, **guard_training_overrides(cfg.stability.guards, cfg.training)
@@ -60,8 +66,7 @@ def main(argv: list[str]) -> None:
             logger.info("an earlier run's stability events were moved to %s", moved.name)
 
         # 1. base model, tokenizer, LoRA
-        with args.main_process_first(desc="base model"):  # rank 0 builds/downloads, the others then read
-            base = resolve_base(cfg.model)
+        base = resolve_base(cfg.model)  # a directory or Hub id (an embedded base is built by now)
         tokenizer = load_tokenizer(cfg.model, base)
         set_seed(args.seed)  # LoRA's random init must not depend on the process or the run
         model = load_model(cfg, base)

@@ -32,7 +32,16 @@ import pytest
 import torch
 
 from hf_stable.checkpoints import checkpoint_problems
-from tests.dist_scripts.harness import ENGINES, PREEMPTED_ENGINES, engine_runs, load_adapter
+from tests.dist_scripts.harness import (
+    CPU,
+    ENGINES,
+    PREEMPTED_ENGINES,
+    engine_runs,
+    launch,
+    load_adapter,
+    recipe_args,
+    tiny_base_args,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(1200)]
 
@@ -155,3 +164,19 @@ def test_preemption_checkpoints_and_the_rerun_resumes(engine, runs):
     assert len(measured) == 1 and measured[0]["step"] == 0
     assert _summary(second)["eval_loss_before"] == measured[0]["eval_before_loss"]
     assert "before: eval loss" in first.output and "before: eval loss" not in second.output
+
+
+@pytest.mark.deepspeed
+def test_a_cold_cache_zero3_start_builds_the_base_once_and_trains(tmp_path):
+    """With an empty base cache, rank 0 used to build the embedded base inside `main_process_first` after ZeRO-3's
+    TrainingArguments existed: its `from_config` was a `zero.Init` collective that rank 1, waiting at the barrier,
+    never joined (both hung). Now the recipe builds the base first, one rank at a time under a file lock."""
+    pytest.importorskip("deepspeed")
+    cache = tmp_path / "empty_cache"
+    out = tmp_path / "out"
+    args = recipe_args(out, steps=2) + CPU + ENGINES["zero3"][0] + tiny_base_args(cache, pretrain_steps=20)
+    run = launch(args, out, nproc=2, timeout=300)
+    assert run.returncode == 0, run.tail()
+    assert _summary(run)["train_steps"] == 2
+    built = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert len(built) == 1 and run.output.count("building embedded base") == 1  # one build, read by both ranks

@@ -66,7 +66,34 @@ def test_partial_cache_entry_is_rebuilt(tmp_path):
     again = ensure_base("llama", cfg)
     assert again == path and (again / DONE_FILE).is_file()
     assert _weights_hash(again) == before
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp build dirs left behind"
+    temps = [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.is_dir()]  # (the lock file stays)
+    assert not temps, "temp build dirs left behind"
+
+
+def test_concurrent_builders_share_one_build_and_a_long_wait_is_said(tmp_path, monkeypatch, capsys):
+    """Two processes (here: threads, each with its own lock file handle) asking for the same missing base: one
+    builds, the other waits for it and reads its build; a wait past WAIT_NOTICE_S is said on the waiter's stderr."""
+    import threading
+
+    from hf_stable.embedded import builder
+
+    monkeypatch.setattr(builder, "WAIT_NOTICE_S", 0.05)
+    monkeypatch.setenv("RANK", "1")  # as on a launch's second rank, which says its own waits (on its stderr)
+    builds = []
+    real_build = builder.build_base
+    monkeypatch.setattr(builder, "build_base", lambda *a, **kw: builds.append(1) or real_build(*a, **kw))
+    cfg = EmbeddedBaseConfig(**SMALL, cache_dir=str(tmp_path))
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(ensure_base("llama", cfg))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(paths) == 2 and paths[0] == paths[1] and (paths[0] / DONE_FILE).is_file()
+    assert builds == [1]  # built once
+    err = capsys.readouterr().err
+    assert err.count("building embedded base tiny-llama (seed") == 1
+    assert "[hf_stable] rank 1: waited 0s for rank 1 (pid" in err and "to finish building embedded base tiny-l" in err
 
 
 def test_dataset_is_deterministic_disjoint_and_dirty():

@@ -17,7 +17,7 @@ from hf_stable.data.collators import PackingCollator, PaddingCollator
 from hf_stable.data.identity import read_exclusions, record_hash
 from hf_stable.forensics.sample_loss import per_sample_loss
 from hf_stable.trainer import StableTrainer
-from tests.dist_scripts.guards_common import tiny_lora_llama, training_args
+from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
 
 
 def _features(n=6, seed=0, vocab=128):
@@ -99,7 +99,7 @@ class _Spy(TrainerCallback):
         self.tap.begin_step()
 
     def on_pre_optimizer_step(self, args, state, control, **kw):
-        self.steps.append([ids.tolist() for ids in self.tap.record_ids])
+        self.steps.append([None if ids is None else ids.tolist() for ids in self.tap.record_ids])
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -127,6 +127,25 @@ def test_record_ids_reach_the_tap_never_the_forward(tmp_path, packing):
     assert len(spy.steps) == 2 and all(len(step) == 2 for step in spy.steps)  # 2 micro-batches per step
     seen = [i for step in spy.steps for mb in step for i in mb if i >= 0]
     assert len(seen) == 16 and sorted(seen) == list(range(500, 516))  # every record once, 2 steps x 2 x 4
+
+
+def test_another_collators_record_ids_reach_the_model_untouched(tmp_path):
+    """A collator that is not hf_stable's may carry a ``record_ids`` key of its own (a model or a custom
+    compute_loss that reads it): StableTrainer leaves it in the batch, as the stock Trainer does."""
+    from transformers.data.data_collator import default_data_collator
+
+    def user_collator(features):
+        batch = default_data_collator([{k: f[k] for k in ("input_ids", "labels")} for f in features])
+        batch["record_ids"] = torch.tensor([f["record_id"] for f in features])
+        return batch
+
+    rows = [{**f, "record_id": 700 + k} for k, f in enumerate(token_data(16))]
+    model = tiny_lora_llama()
+    spy = _Spy(model)
+    args = training_args(tmp_path, max_steps=2, per_device_train_batch_size=4, remove_unused_columns=False)
+    StableTrainer(model=model, args=args, train_dataset=rows, data_collator=user_collator, callbacks=[spy]).train()
+    assert len(spy.keys) == 2 and all("record_ids" in k for k in spy.keys)  # the user's key reached the forward
+    assert all(step == [None] for step in spy.steps)  # and was not taken as hf_stable's forensics ids
 
 
 def _alone(model, ids, labels):

@@ -54,6 +54,18 @@ def test_tiny_qlora_recipe_trains_and_saves_the_adapter_alone(qlora_run):
     path = out / "stability_events.jsonl"  # written when there is an event
     events = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
     assert not [e for e in events if e["kind"] in ("nonfinite_grad", "nonfinite_loss", "rollback")]
+    # 4-bit on CPU is where bitsandbytes' fused kernel would run: our one line replaces its import-time warning
+    assert "Failed to load CPU gemm_4bit_forward" not in proc.stdout + proc.stderr
+    assert (proc.stderr.count("`pip install kernels`") == 1) == _bnb_tried_the_kernel()
+
+
+def _bnb_tried_the_kernel() -> bool:
+    """Whether bitsandbytes' import tries the optional kernel here (a CPU with AVX512-BF16, `kernels` missing)."""
+    import importlib.util
+
+    from bitsandbytes.functional import has_avx512bf16
+
+    return bool(has_avx512bf16()) and importlib.util.find_spec("kernels") is None
 
 
 def test_tiny_qlora_export_merges_into_the_dequantized_base_and_reports_the_16bit_difference(qlora_run):

@@ -71,6 +71,13 @@ def llama_run(tmp_path_factory):
     return tmp / "out", proc
 
 
+def test_the_run_prints_no_kernels_notice(llama_run):
+    """peft imports bitsandbytes, which warns at import that the optional `kernels` package (a fused CPU 4-bit
+    kernel) is missing: noise in a run without 4-bit layers, quieted by `hf_stable.logging`."""
+    _, proc = llama_run
+    assert not [line for line in (proc.stdout + proc.stderr).splitlines() if "kernels" in line]
+
+
 def test_outputs_are_complete(llama_run):
     out, proc = llama_run
     for name in (

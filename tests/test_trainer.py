@@ -114,6 +114,25 @@ def test_monitors_see_pre_clip_statistics_with_max_grad_norm(tmp_path):
     assert "monitor_notice" in runs["stock"][1]
 
 
+def test_clip_guard_notice_says_what_the_monitors_really_see(tmp_path):
+    """With the Trainer's clip left on, ClipGuard warns of the double clip; the notice's claim about the monitors'
+    statistics is checked against what they logged: pre-clip under StableTrainer, post-clip under the stock one."""
+    from hf_stable.callbacks.guards import ClipGuard
+
+    for cls in (StableTrainer, Trainer):
+        out = tmp_path / cls.__name__
+        trainer, _, _ = _train(
+            cls, out, callbacks=[*build_monitors(MonitorsConfig()), ClipGuard()], max_steps=1, max_grad_norm=0.05
+        )
+        (notice,) = [e["message"] for e in read_events(out) if e["kind"] == "guard_notice"]
+        logged = trainer.state.log_history[0]["grad/norm_global"]
+        assert "clipped twice" in notice and "set max_grad_norm=0" in notice
+        if cls is StableTrainer:
+            assert logged > 0.1 and "statistics stay pre-clip" in notice and "post-clip" not in notice
+        else:
+            assert logged == pytest.approx(0.05, rel=1e-3) and "statistics and this guard see post-clip" in notice
+
+
 class _NanGrad(TrainerCallback):
     """A NaN gradient in one LoRA tensor at one step (through a tensor hook)."""
 

@@ -29,7 +29,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_stable.config.fields import config_from
-from hf_stable.core.engine import StepEngine
+from hf_stable.core.engine import StepEngine, refuse_fsdp1
 from hf_stable.core.events import write_event
 from hf_stable.core.grad_stats import begin_step
 
@@ -95,6 +95,7 @@ class StabilityCallback(TrainerCallback):
 
     # --- Trainer hooks --------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
+        refuse_fsdp1(args, kwargs.get("model"))  # FSDP1's flat shards would be judged as whole gradients
         self._output_dir = args.output_dir
         self._is_main = state.is_world_process_zero
         saved = (state.stateful_callbacks or {}).get(STATE_KEY, {}).get(self.state_key)

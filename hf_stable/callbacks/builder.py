@@ -10,6 +10,7 @@ from hf_stable.callbacks.monitors import build_monitors
 from hf_stable.callbacks.monitors.attention_monitor_callback import IMPLEMENTATION, AttentionMonitorCallback
 from hf_stable.callbacks.preemption_callback import PreemptionCallback
 from hf_stable.callbacks.spike_forensics import build_forensics
+from hf_stable.core.engine import refuse_fsdp1
 
 
 def build_attention_callbacks(cfg) -> list:
@@ -36,13 +37,18 @@ def build_callbacks(cfg, args=None, records=None) -> list:
 
     Args:
         cfg: a `RunConfig`.
-        args: the run's `TrainingArguments` (optional; only `disable_tqdm` is read).
+        args: the run's `TrainingArguments` (optional; `disable_tqdm` is read, and an FSDP1 config refused).
         records: the `RecordTable` of the training data (`build_data(...).records`); with it, spike forensics
             names the records behind bad steps and quarantines them (`data.quarantine`, `data.screen`).
+
+    Raises:
+        ConfigError: `args` (or the launcher's environment) asks for FSDP1 (`core.engine.refuse_fsdp1`).
 
     Example:
         >>> trainer = StableTrainer(model=model, args=args, callbacks=[my_callback, *build_callbacks(cfg, args)])
     """
+    if args is not None:  # before the Trainer: accelerate's FSDP1 set-up would fail first on CPU, less clearly
+        refuse_fsdp1(args)
     stability = cfg.stability
     callbacks: list = []
     callbacks += build_monitors(stability.monitors)  # empty when monitors.enabled is false

@@ -127,7 +127,9 @@ class ThroughputMonitorConfig:
     mild_ratio: float = field(default=1.2, metadata=_h("Data wait / compute above this: mild stall (warning)."))
     severe_ratio: float = field(default=2.5, metadata=_h("Data wait / compute above this: severe stall (error)."))
     min_steps: int = field(default=5, metadata=_h("Judge a stall over at least this many timed steps."))
-    skip_first_steps: int = field(default=1, metadata=_h("Untimed warm-up steps at the start of each run."))
+    skip_first_steps: int = field(
+        default=1, metadata=_h("Untimed warm-up steps at the start of training (a resume continues the count).")
+    )
     cooldown_steps: int = field(default=200, metadata=_h("Steps before the stall alert fires again."))
 
     def validate(self) -> list[str]:

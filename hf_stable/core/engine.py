@@ -15,6 +15,11 @@ of it), so per-tensor vectors line up across ranks and statistics combine by sum
 `on_pre_optimizer_step` between the engine's backward and its step, and `DeepSpeedEngine.step` then skips as decided
 and keeps the LR schedule on `global_step` when the engine skipped (its own overflow skip holds the schedule back).
 
+FSDP1 (`FullyShardedDataParallel`: flat parameters, a rank's `.grad` its own flat shard as a plain tensor) is refused
+before the first step (`refuse_fsdp1`): its shards look like DDP's whole gradients, so every rank would judge, clip
+and skip on its own numbers. What asked for it (the `TrainingArguments`, a launch config's environment, accelerate's
+plugin, an FSDP1-wrapped model) is named with the line that selects FSDP2.
+
 Private DeepSpeed attributes are read through `hf_stable.compat`.
 """
 
@@ -51,7 +56,11 @@ class StepEngine:
 
     @staticmethod
     def of(model, refresh: bool = False) -> StepEngine:
-        """The step engine of `model` (detected from its trainable parameters, then cached)."""
+        """The step engine of `model` (detected from its trainable parameters, then cached).
+
+        Raises:
+            ConfigError: the model is trained with FSDP1 (see `refuse_fsdp1`).
+        """
         engine = _ENGINES.get(model)
         if engine is None or refresh:
             found = _detect(model)
@@ -189,6 +198,7 @@ def _trainable(engine) -> list:
 
 
 def _detect(model) -> StepEngine:
+    refuse_fsdp1(model=model)
     params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
     for p in params:
         if hasattr(p, "ds_id"):
@@ -200,4 +210,84 @@ def _detect(model) -> StepEngine:
     return StepEngine(model)
 
 
-__all__ = ["DeepSpeedEngine", "FSDP2Engine", "StepEngine"]
+# --- FSDP1: refused ----------------------------------------------------------------------------------------------
+_FSDP1_WHY = (
+    "FSDP1 (fsdp_version 1) is not supported by hf_stable: every rank holds a flat shard of each gradient that looks "
+    "like a whole one, so the monitors and guards would judge, clip and skip on this rank's shard alone (ranks could "
+    "clip by different factors and disagree on a skip); use FSDP2 (per-parameter DTensor shards, summed over ranks)"
+)
+_FIX_ARGS = (
+    "set `fsdp_version: 2` in the FSDP config: in the recipe `training.fsdp_config: {fsdp_version: 2, ...}` "
+    "(`--training.fsdp_config '{fsdp_version: 2}'`), in a script `TrainingArguments(fsdp_config={'fsdp_version': 2})`"
+)
+_FIX_ENV = (
+    "add `fsdp_version: 2` under `fsdp_config:` in the accelerate config file given to `accelerate launch "
+    "--config_file` (a config without it means version 1; see configs/accelerate/fsdp2.yaml), or export FSDP_VERSION=2"
+)
+
+
+def fsdp1_source(args=None, model=None, plugin=None) -> str | None:
+    """What makes this run FSDP1, in words, or None (FSDP2, DeepSpeed, DDP, one process).
+
+    Looked at in order: an FSDP1-wrapped `model`; `args.fsdp` with its config's version (TrainingArguments defaults
+    to 2; the Trainer builds its plugin from it); accelerate's FSDP plugin (`plugin`, else the one of this process's
+    `Accelerator` once one exists - then it is the answer, as accelerate has read the launcher's environment); and
+    before any `Accelerator`, the launcher's environment (`ACCELERATE_USE_FSDP` with `FSDP_VERSION`, which accelerate
+    defaults to 1).
+    """
+    # FSDP1's flat parameters (use_orig_params=False) and its views of the originals (True) live only inside
+    # FullyShardedDataParallel modules, so the module class finds both without FSDP1's private flags
+    if model is not None and any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return "the model is wrapped in FSDP1's FullyShardedDataParallel"
+    plugin_args = getattr(args, "fsdp_plugin_args", None) if args is not None and getattr(args, "fsdp", None) else None
+    if plugin_args:
+        version = int(plugin_args.get("fsdp_version", 2))
+        return f"TrainingArguments.fsdp_config has fsdp_version {version}" if version == 1 else None
+    built, state_plugin = _accelerate_fsdp_plugin()
+    plugin = plugin if plugin is not None else state_plugin
+    if plugin is not None:
+        version = getattr(plugin, "fsdp_version", 1)
+        return f"accelerate's FSDP plugin has fsdp_version {version}" if version == 1 else None
+    if built:  # accelerate has decided (its own ACCELERATE_USE_FSDP, set once it builds a plugin, says nothing more)
+        return None
+    import os
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        version = int(os.environ.get("FSDP_VERSION", "1") or 1)
+        if version == 1:
+            set_by = "FSDP_VERSION=1" if "FSDP_VERSION" in os.environ else "FSDP_VERSION unset, which means 1"
+            return f"the launcher's environment asks for FSDP (ACCELERATE_USE_FSDP) with {set_by}"
+    return None
+
+
+def refuse_fsdp1(args=None, model=None) -> None:
+    """Stop before the first step when the run would train with FSDP1 (see `fsdp1_source`).
+
+    Called by the recipe right after `TrainingArguments` (`distributed.prepare_launch`), by `build_callbacks` and
+    `StableTrainer` (before accelerate's own FSDP set-up, which on CPU ranks fails for FSDP1 with a device error), at
+    every hf_stable callback's `on_train_begin`, and by `StepEngine.of`.
+
+    Raises:
+        ConfigError: naming what asked for FSDP1 and the config line that selects FSDP2.
+    """
+    source = fsdp1_source(args, model)
+    if source is None:
+        return
+    from hf_stable.errors import ConfigError
+
+    from_env = source.startswith("the launcher")
+    raise ConfigError(f"fsdp_version: {source}. {_FSDP1_WHY}. To fix: {_FIX_ENV if from_env else _FIX_ARGS}")
+
+
+def _accelerate_fsdp_plugin() -> tuple[bool, object]:
+    """(whether this process has built an `Accelerator`, its FSDP plugin or None)."""
+    try:
+        from accelerate.state import AcceleratorState, is_initialized
+    except ImportError:
+        return False, None
+    if not is_initialized():
+        return False, None
+    return True, getattr(AcceleratorState(), "fsdp_plugin", None)
+
+
+__all__ = ["DeepSpeedEngine", "FSDP2Engine", "StepEngine", "fsdp1_source", "refuse_fsdp1"]

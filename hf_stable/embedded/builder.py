@@ -2,28 +2,31 @@
 
 A base is a pure function of its config: same seed and sizes → bitwise the same weights. Builds are
 cached under a key derived from the config and `BUILDER_VERSION`, written to a temp dir and renamed
-into place, so an interrupted build is never picked up; a stale or partial entry is rebuilt.
+into place, so an interrupted build is never picked up; a stale or partial entry is rebuilt. One process builds a
+given entry at a time (a file lock next to it): the ranks of a launch, or runs started together, wait for the first
+builder and then read its build, and a wait longer than `WAIT_NOTICE_S` says which rank waits for whom.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
 
 from hf_stable.config.model import EmbeddedBaseConfig
-from hf_stable.logging import get_logger
-
-logger = get_logger(__name__)
+from hf_stable.logging import process_rank, say_on_this_rank
 
 BUILDER_VERSION = 1
 DONE_FILE = "build_info.json"
+WAIT_NOTICE_S = 60.0  # a start-up wait on another process's build longer than this is said (on the waiting rank)
 
 
 def tiny_model_config(arch: str, cfg: EmbeddedBaseConfig, tokenizer):
@@ -143,16 +146,69 @@ def build_base(arch: str, cfg: EmbeddedBaseConfig, out_dir: str | Path) -> dict:
     return info
 
 
+@contextlib.contextmanager
+def _build_lock(path: Path, what: str):
+    """Hold an exclusive lock on `path` (a file next to the cache entry) while building `what`; another process
+    holding it is waited for, and after `WAIT_NOTICE_S` this rank says, on its own stderr, whom it waits for. Where
+    `fcntl` is missing (Windows) nothing is locked: builds may then run twice, the rename keeps one."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    me = f"rank {process_rank()} (pid {os.getpid()} on {socket.gethostname()})"
+    with open(path, "a+", encoding="utf-8") as fh:
+        waited_from, said = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said and time.monotonic() - waited_from >= WAIT_NOTICE_S:
+                    fh.seek(0)
+                    holder = fh.read().strip() or "another process"
+                    say_on_this_rank(
+                        f"waited {time.monotonic() - waited_from:.0f}s for {holder} to finish building "
+                        f"{what} (lock file {path}; delete it only if that process is gone)"
+                    )
+                    said = True
+                time.sleep(0.2)
+        try:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(me)
+            fh.flush()
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _complete(entry: Path) -> bool:
+    return (entry / DONE_FILE).is_file() and (entry / "tokenizer").is_dir()
+
+
 def ensure_base(arch: str, cfg: EmbeddedBaseConfig) -> Path:
-    """Path of the cached tiny base for (`arch`, `cfg`), building it first if missing or stale."""
+    """Path of the cached tiny base for (`arch`, `cfg`), building it first if missing or stale (one process at a
+    time: the others wait for its build, see `_build_lock`).
+
+    Build it before a ZeRO-3 `TrainingArguments` exists: from then on every `from_config` is a collective
+    (`deepspeed.zero.Init`) that a rank building alone would wait in forever (the recipe builds first).
+    """
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     final = cache / cache_key(arch, cfg)
-    if (final / DONE_FILE).is_file() and (final / "tokenizer").is_dir():
+    if _complete(final):
         return final
+    cache.mkdir(parents=True, exist_ok=True)
+    with _build_lock(cache / f".{final.name}.lock", f"embedded base tiny-{arch} into {final}"):
+        if _complete(final):  # built by the process we waited for
+            return final
+        return _build_into(arch, cfg, cache, final)
+
+
+def _build_into(arch: str, cfg: EmbeddedBaseConfig, cache: Path, final: Path) -> Path:
     if final.exists():  # partial or stale: never trust it
         shutil.rmtree(final, ignore_errors=True)
-    cache.mkdir(parents=True, exist_ok=True)
-    logger.info("building embedded base tiny-%s (seed %d) into %s", arch, cfg.seed, final)
+    say_on_this_rank(f"building embedded base tiny-{arch} (seed {cfg.seed}) into {final}")  # whichever rank builds
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
     try:
         info = build_base(arch, cfg, tmp)
@@ -163,12 +219,9 @@ def ensure_base(arch: str, cfg: EmbeddedBaseConfig) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info(
-        "built tiny-%s in %.1fs: %d parameters, pretrain loss %.3f -> %.3f",
-        arch,
-        info["build_seconds"],
-        info["n_parameters"],
-        info["pretrain_loss_first"] or float("nan"),
-        info["pretrain_loss_last"] or float("nan"),
+    first, last = info["pretrain_loss_first"] or float("nan"), info["pretrain_loss_last"] or float("nan")
+    say_on_this_rank(
+        f"built tiny-{arch} in {info['build_seconds']:.1f}s: {info['n_parameters']} parameters, pretrain loss "
+        f"{first:.3f} -> {last:.3f}"
     )
     return final

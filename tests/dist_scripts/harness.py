@@ -233,8 +233,8 @@ def load_adapter(folder: Path) -> dict:
 def strip_timing(state: dict) -> dict:
     """Callback states without what depends on wall-clock time or on where a process started.
 
-    ThroughputMonitor's totals are timings, and it leaves the first step after every (re)start untimed, so a
-    resumed run has measured one step fewer; everything else must match exactly.
+    ThroughputMonitor's totals are timings (its step and token counts continue exactly over a resume, see
+    tests/test_monitor_trainer.py); everything else must match exactly.
     """
     out = json.loads(json.dumps(state))
     out.get("ThroughputMonitor", {}).pop("totals", None)

@@ -1,7 +1,8 @@
 """`ClipGuard`: gradient clipping owned by hf_stable — global, per group, or adaptive per group (ZClip-style).
 
 It replaces the Trainer's single global clip (the recipe sets `TrainingArguments.max_grad_norm=0`; with both on
-the gradients would be clipped twice and the statistics would be post-clip, so the guard warns). It reuses the
+the gradients are clipped twice, so the guard warns - and says whether the monitors' statistics are pre-clip, as
+under `StableTrainer`, or post-clip, as under the stock Trainer). It reuses the
 norms `GradStats` already computed for the monitors — one gradient computation per step — and decides the
 per-group coefficients on the host from that single transfer; applying them is one `_foreach_mul_` per clipped
 group on device, so clipping adds no host sync.
@@ -153,17 +154,24 @@ class ClipGuard(StabilityCallback):
                 g.mul_(factor.to(g.dtype))
 
     # --- Trainer hooks ------------------------------------------------------------------------------------------
-    def on_train_begin(self, args, state, control, **kwargs):
-        super().on_train_begin(args, state, control, **kwargs)
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        super().on_train_begin(args, state, control, model=model, **kwargs)
         if not self.enabled:
             return
         self._off = False
         if args.max_grad_norm and args.max_grad_norm > 0:
+            # StableTrainer reads the statistics before its clip (`GradStats.pre_clip`); the stock Trainer clips first
+            pre_clip = model is not None and GradStats.shared(model).pre_clip
+            seen = (
+                "the monitors' statistics stay pre-clip (StableTrainer), but this guard judges already-clipped gradients"
+                if pre_clip
+                else "the monitors' statistics and this guard see post-clip gradients"
+            )
             self.event(
                 state.global_step,
                 "guard_notice",
                 f"TrainingArguments.max_grad_norm={args.max_grad_norm} clips before this guard: gradients are "
-                "clipped twice and the statistics are post-clip; set max_grad_norm=0",
+                f"clipped twice and {seen}; set max_grad_norm=0",
                 severity="warning",
             )
 

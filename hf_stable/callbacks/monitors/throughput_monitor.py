@@ -91,7 +91,9 @@ class ThroughputMonitor(StepTapUser, StabilityCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
         self._device = collective_device(args)
-        self._seen, self._ready, self._begin = 0, None, None
+        # steps already made count as seen: the untimed warm-up is the run's first steps, not a resume's (a resumed
+        # run's totals then continue exactly where the uninterrupted run's would be)
+        self._seen, self._ready, self._begin = state.global_step, None, None
         self._interval = dict.fromkeys(self._totals, 0.0)
         self._use_step_tap(model if self.enabled else None)
 
