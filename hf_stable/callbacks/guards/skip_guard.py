@@ -7,17 +7,22 @@ The step still counts: `global_step`, the data and the LR schedule advance as us
 (`tests/test_guards_trainer.py` checks the schedule).
 
 Rules: non-finite gradients or loss; gradients that differ between ranks after the all-reduce (`rank_mismatch`);
-a grad-norm spike (x `grad_spike_ratio` over its EMA); a loss spike (robust z-score *and* a relative margin over
-the window median); a loss rise (a fast loss EMA `loss_rise_rel` above the recent best of a smoothed loss), whose
-steps count as bad steps for `RollbackGuard`. The loss defaults come from healthy 4-epoch runs of the embedded
-bases (good batches up to 1.57x the median, a 1.27x rise; garbage at 3x and more). References learn from
-accepted steps only; a level that persists `max_consecutive_skips` steps becomes the new normal.
+and three finite rules, each measured against the run's own noise over the last `window` accepted steps, since a
+step averages as many records as the batch holds (at batch 1 one record: hard ones sit at 2-3x the median):
+* grad-norm spike: > `grad_spike_ratio` x its EMA and `grad_spike_zscore` robust sd above the window's median log norm;
+* loss spike: the log loss `loss_spike_zscore` robust sd (1.4826 MAD of the window's log losses) above their median,
+  and `loss_spike_min_rel` above the median loss;
+* loss rise (counts towards a rollback): the loss level - the median of the last 5 plausible losses, which one hard
+  batch does not move - `loss_rise_rel` above the window's lowest smoothed loss, and `loss_rise_zscore` robust sd
+  above that statistic's own median over the window (its noise on this run: runs of hard batches included).
+Defaults: 6 sd (OLMo-core's anchor, 6 sigma over 128 steps); the clean batch-1 runs of the embedded recipe peaked at
+4.6 (`benchmarks/specificity.py`). References learn from accepted steps only; a level that persists
+`max_consecutive_skips` steps becomes the new normal. Every `step_skipped` event carries the statistics compared.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +33,7 @@ from hf_stable.config.guards import SkipConfig
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.monitor_utils import collective_device, robust_zscore
 from hf_stable.core.rank_agreement import GuardOrderError, agree, drop_gradients
+from hf_stable.core.step_noise import explain, log_z, median, robust_scale, window_noise
 from hf_stable.core.step_tap import StepTapUser
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch")
@@ -35,32 +41,6 @@ _KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
 _RISE_STEPS = 5  # a rise is sustained: the median of this many latest losses is above the bar too
 _MIN_RISES = 10  # accepted steps of rise-statistic history before its own spread is the noise
 _MID_BETA = 0.9  # the loss-rise reference: the lowest value of this EMA over the window (follows a fast descent)
-
-
-def _median(xs: list[float]) -> float:
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
-
-
-def _robust_scale(xs: list[float]) -> float:
-    """1.4826 x the median absolute deviation: the standard deviation of a normal sample, unmoved by outliers."""
-    med = _median(xs)
-    return 1.4826 * _median([abs(x - med) for x in xs])
-
-
-def _logs(xs) -> list[float] | None:
-    """The logs of a positive history (None when some value is <= 0: a custom loss)."""
-    xs = list(xs)
-    return [math.log(x) for x in xs] if all(x > 0 for x in xs) else None
-
-
-def _log_z(value: float, history) -> float | None:
-    """Robust z-score of log(value) against the log history (None without >= 3 positive values)."""
-    logs = _logs(history)
-    if logs is None or len(logs) < 3 or value <= 0:
-        return None
-    return robust_zscore(math.log(value), logs)
 
 
 @dataclass
@@ -178,21 +158,8 @@ class SkipGuard(StepTapUser, StabilityCallback):
 
     # --- decisions (pure, host numbers) -----------------------------------------------------------------
     def noise(self) -> dict:
-        """The run's own noise, from the accepted steps in the window: the median and robust scale (1.4826 MAD)
-        of the log loss and of the log grad norm, and the step-to-step noise of the log loss (from successive
-        differences, so a trend does not count as noise). What every finite-step rule measures against."""
-        logs = _logs(self._losses)
-        out: dict = {"n": len(self._losses)}
-        if logs is not None and len(logs) >= 3:
-            out["loss_median"] = _median(list(self._losses))
-            out["loss_log_scale"] = _robust_scale(logs)
-            if len(logs) >= 4:
-                diffs = [b - a for a, b in itertools.pairwise(logs)]
-                out["loss_step_noise"] = _robust_scale(diffs) / math.sqrt(2.0)
-        norms = _logs(self._norms)
-        if norms is not None and len(norms) >= 3:
-            out["grad_log_scale"] = _robust_scale(norms)
-        return out
+        """The run's own noise over the window's accepted steps (`core.step_noise.window_noise`)."""
+        return window_noise(self._losses, self._norms)
 
     def _rise_noise(self, noise: dict) -> tuple[float, float] | None:
         """(centre, standard deviation) of the rise statistic on this run's healthy steps. The centre is its median
@@ -207,7 +174,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
         if len(self._rises) < _MIN_RISES:
             return None if model is None else (0.0, model)
         rises = list(self._rises)
-        return _median(rises), max(_robust_scale(rises), model or 0.0)
+        return median(rises), max(robust_scale(rises), model or 0.0)
 
     def _rise_stat(self, level: float) -> float | None:
         """log(loss level / the window's lowest smoothed loss), None when not defined (no history, loss <= 0)."""
@@ -246,14 +213,14 @@ class SkipGuard(StepTapUser, StabilityCallback):
             and self._norm_ema is not None
             and grad_norm > self.grad_spike_ratio * self._norm_ema
         ):
-            z = _log_z(grad_norm, self._norms)
+            z = log_z(grad_norm, self._norms)
             evidence["grad_z"] = z
             grad_spike = self.grad_spike_zscore is None or z is None or z > self.grad_spike_zscore
         loss_spike = False
         if warm and loss is not None and self.loss_spike_zscore is not None and len(self._losses) >= 3:
-            median = noise.get("loss_median", _median(list(self._losses)))
-            if loss > median * (1 + self.loss_spike_min_rel):
-                z = _log_z(loss, self._losses)
+            mid = noise.get("loss_median", median(list(self._losses)))
+            if loss > mid * (1 + self.loss_spike_min_rel):
+                z = log_z(loss, self._losses)
                 if z is None:  # losses <= 0 (a custom loss): the z-score of the loss itself
                     z = robust_zscore(loss, list(self._losses))
                 evidence["loss_z"] = z
@@ -281,7 +248,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
         """The loss level now: the median of the latest plausible losses (with `loss`), robust to one hard batch;
         None before there are 3 of them."""
         latest = ([*self._recent, loss] if loss is not None else list(self._recent))[-_RISE_STEPS:]
-        return _median(latest) if len(latest) >= 3 else None
+        return median(latest) if len(latest) >= 3 else None
 
     @property
     def healthy(self) -> bool:
@@ -391,7 +358,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
                 step,
                 "step_skipped",
                 f"step {step} skipped on every rank ({', '.join(reasons)}): grad norm {grad_norm:.4g} "
-                f"(EMA {ref}), loss {loss_txt}{self._explain(reasons, evidence)}; optimizer state untouched",
+                f"(EMA {ref}), loss {loss_txt}{explain(reasons, evidence, self.config)}; optimizer state untouched",
                 value=grad_norm,
                 severity="warning",
                 reasons=reasons,
@@ -401,26 +368,6 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self.record({"guard/skipped": float(verdict.skip), "guard/skipped_total": float(self._skipped_total)})
         self.last_verdict = verdict
         return verdict
-
-    def _explain(self, reasons: list[str], ev: dict) -> str:
-        """The numbers a finite-step rule compared, for the event message (the noise it measured against)."""
-        n = ev.get("window_steps")
-        parts = []
-        if "loss_spike" in reasons and "loss_z" in ev:
-            parts.append(
-                f"log loss {ev['loss_z']:.3g} robust sd above the median {ev.get('loss_median', math.nan):.4g} "
-                f"(> {self.loss_spike_zscore:g}; sd {ev.get('loss_log_scale', math.nan):.3g} over {n} steps)"
-            )
-        if "grad_spike" in reasons and "grad_z" in ev:
-            parts.append(
-                f"log grad norm {ev['grad_z']:.3g} robust sd above its median (> {self.grad_spike_zscore:g}; sd "
-                f"{ev.get('grad_log_scale', math.nan):.3g} over {n} steps)"
-            )
-        if "loss_rise" in reasons and "rise_log" in ev:
-            sigma, centre = ev.get("rise_sigma"), ev.get("rise_centre", 0.0)
-            noise = f", {(ev['rise_log'] - centre) / sigma:.3g} sd of its noise {sigma:.3g}" if sigma else ""
-            parts.append(f"loss trend x{math.exp(ev['rise_log']):.3g} the recent best{noise}")
-        return f" - {'; '.join(parts)}" if parts else ""
 
     # --- Trainer hooks -------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):

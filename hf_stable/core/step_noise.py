@@ -1,0 +1,73 @@
+"""The run's own noise, as the skip guard measures it: robust statistics of the recent accepted steps' losses and
+gradient norms, in log (losses and norms spread multiplicatively: a hard record is 2-3x the median, not +1)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from hf_stable.core.monitor_utils import robust_zscore
+
+
+def median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def robust_scale(xs: list[float]) -> float:
+    """1.4826 x the median absolute deviation: the standard deviation of a normal sample, unmoved by outliers."""
+    med = median(xs)
+    return 1.4826 * median([abs(x - med) for x in xs])
+
+
+def logs_of(xs) -> list[float] | None:
+    """The logs of a positive history (None when some value is <= 0: a custom loss)."""
+    xs = list(xs)
+    return [math.log(x) for x in xs] if all(x > 0 for x in xs) else None
+
+
+def log_z(value: float, history) -> float | None:
+    """Robust z-score of log(value) against the log history (None without >= 3 positive values)."""
+    logs = logs_of(history)
+    if logs is None or len(logs) < 3 or value <= 0:
+        return None
+    return robust_zscore(math.log(value), logs)
+
+
+def window_noise(losses, norms) -> dict:
+    """The median and robust scale (1.4826 MAD) of the log loss and of the log grad norm over the window, and the
+    step-to-step noise of the log loss (from successive differences, so a trend does not count as noise)."""
+    logs = logs_of(losses)
+    out: dict = {"n": len(losses)}
+    if logs is not None and len(logs) >= 3:
+        out["loss_median"] = median(list(losses))
+        out["loss_log_scale"] = robust_scale(logs)
+        if len(logs) >= 4:
+            diffs = [b - a for a, b in itertools.pairwise(logs)]
+            out["loss_step_noise"] = robust_scale(diffs) / math.sqrt(2.0)
+    norm_logs = logs_of(norms)
+    if norm_logs is not None and len(norm_logs) >= 3:
+        out["grad_log_scale"] = robust_scale(norm_logs)
+    return out
+
+
+def explain(reasons: list[str], ev: dict, cfg) -> str:
+    """The numbers a finite-step rule compared, for the event message (the noise it measured against)."""
+    n = ev.get("window_steps")
+    parts = []
+    if "loss_spike" in reasons and "loss_z" in ev:
+        parts.append(
+            f"log loss {ev['loss_z']:.3g} robust sd above the median {ev.get('loss_median', math.nan):.4g} "
+            f"(> {cfg.loss_spike_zscore:g}; sd {ev.get('loss_log_scale', math.nan):.3g} over {n} steps)"
+        )
+    if "grad_spike" in reasons and "grad_z" in ev:
+        parts.append(
+            f"log grad norm {ev['grad_z']:.3g} robust sd above its median (> {cfg.grad_spike_zscore:g}; sd "
+            f"{ev.get('grad_log_scale', math.nan):.3g} over {n} steps)"
+        )
+    if "loss_rise" in reasons and "rise_log" in ev:
+        sigma, centre = ev.get("rise_sigma"), ev.get("rise_centre", 0.0)
+        noise = f", {(ev['rise_log'] - centre) / sigma:.3g} sd of its noise {sigma:.3g}" if sigma else ""
+        parts.append(f"loss trend x{math.exp(ev['rise_log']):.3g} the recent best{noise}")
+    return f" - {'; '.join(parts)}" if parts else ""
