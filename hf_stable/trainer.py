@@ -12,6 +12,10 @@ Every hf_stable callback works in a stock `Trainer`; this subclass removes what 
   spike forensics - only when hf_stable's own collator (which this trainer asked for them) made the batch; another
   collator's ``record_ids`` are the user's and reach the model untouched. The train sampler skips quarantined
   records (`forensics.quarantine`).
+* Training steps compute the loss with `hf_stable.loss` (``training_loss.chunked``, the default): the LM head and the
+  cross-entropy over chunks of the supervised positions, so the ``[tokens, vocab]`` logits are never held. Where
+  logits are asked for (``return_outputs``, `prediction_step` / evaluation, a `StepTap` output listener such as the
+  forensics' screening) the model's own forward runs. A ``compute_loss_func`` or label smoothing keeps it too.
 * With a guard that changes gradient accumulation (batch warmup, thermal), the sampler is an `EpochStreamSampler`
   holding every micro-batch the plan can ask for, and a resume skips the micro-batches really consumed (not
   `global_step x accumulation`), so it continues bit for bit.
@@ -31,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -40,17 +45,25 @@ from transformers.trainer_utils import has_length
 from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.compat import foreach_mul_, has_mixed_mesh_grads
+from hf_stable.config.loss import TrainingLossConfig
 from hf_stable.core.engine import DeepSpeedEngine, StepEngine, refuse_fsdp1
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.step_tap import RECORD_IDS_KEY, StepTap
 from hf_stable.data.epochs import EpochStreamSampler
 from hf_stable.forensics.quarantine import wrap_train_sampler
+from hf_stable.loss import chunked_training_forward
 
 
 class StableTrainer(Trainer):
-    """`Trainer` that computes the step's gradient norm (and clip) from the shared `GradStats` pass."""
+    """`Trainer` that computes the step's gradient norm (and clip) from the shared `GradStats` pass.
 
-    def __init__(self, *args, **kwargs):
+    Args:
+        training_loss: how training steps compute the loss (`TrainingLossConfig`; default: chunked).
+        *args, **kwargs: those of `transformers.Trainer`.
+    """
+
+    def __init__(self, *args, training_loss: TrainingLossConfig | None = None, **kwargs):
+        self.training_loss = training_loss if training_loss is not None else TrainingLossConfig()
         # FSDP1 is refused before accelerate builds its plugin (which on CPU ranks fails for FSDP1, less clearly)
         refuse_fsdp1(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
@@ -165,9 +178,25 @@ class StableTrainer(Trainer):
         record_ids = inputs.pop(RECORD_IDS_KEY, None) if ours and isinstance(inputs, dict) else None
         if record_ids is not None and self.model is not None:
             StepTap.shared(self.model).note_record_ids(record_ids)
-        return super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        with self._training_forward(model, inputs, return_outputs):
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+
+    def _training_forward(self, model, inputs, return_outputs: bool):
+        """The chunked loss for a training step whose logits nobody reads; else the model's own forward."""
+        chunked = (
+            self.training_loss.chunked
+            and not return_outputs
+            and model.training
+            and torch.is_grad_enabled()
+            and self.compute_loss_func is None
+            and self.label_smoother is None
+            and isinstance(inputs, dict)
+            and ("labels" in inputs or "shift_labels" in inputs)
+            and not (self.model is not None and StepTap.shared(self.model).reads_logits)
         )
+        return chunked_training_forward(model, self.training_loss) if chunked else contextlib.nullcontext()
 
     def _clip_grad_norm(self, model):
         norm = self._shared_norm(model, self.args.max_grad_norm)

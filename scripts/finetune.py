@@ -109,6 +109,7 @@ def main(argv: list[str]) -> None:
             data_collator=data.collator,
             processing_class=tokenizer,
             callbacks=callbacks,
+            training_loss=cfg.training_loss,  # chunked LM head + cross-entropy: the logits are never held whole
             **trainer_optimizer_arguments(optimizer, cfg.optim, args, phases=phases),
         )
 

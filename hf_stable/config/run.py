@@ -20,6 +20,7 @@ from hf_stable.config.doctor import DoctorConfig
 from hf_stable.config.evaluation import EvaluationConfig
 from hf_stable.config.export import ExportConfig
 from hf_stable.config.loader import build_section, check_size, coerce, parse_overrides, read_yaml, set_dotted
+from hf_stable.config.loss import TrainingLossConfig
 from hf_stable.config.model import LoraSection, ModelConfig
 from hf_stable.config.optim import OptimConfig
 from hf_stable.config.runtime import RuntimeConfig
@@ -50,6 +51,10 @@ class RunConfig:
     doctor_checks: DoctorConfig = field(
         default_factory=DoctorConfig,
         metadata={"help": "Thresholds of `hf-stable doctor` (doctor: true runs it before training)."},
+    )
+    training_loss: TrainingLossConfig = field(
+        default_factory=TrainingLossConfig,
+        metadata={"help": "The training steps' loss: chunked LM head + cross-entropy, never the whole logits."},
     )
     training: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Keyword arguments of transformers.TrainingArguments."}

@@ -130,6 +130,11 @@ class StepTap:
         if fn not in self._output_listeners:
             self._output_listeners.append(fn)
 
+    @property
+    def reads_logits(self) -> bool:
+        """True when an output listener reads the training forwards' logits (they must then be built)."""
+        return bool(self._output_listeners)
+
     def note_record_ids(self, record_ids: torch.Tensor | None) -> None:
         """The record ids of the micro-batch about to be forwarded (kept with its inputs by the next forward)."""
         self._pending_ids = record_ids

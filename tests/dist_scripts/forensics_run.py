@@ -4,7 +4,7 @@
     python tests/dist_scripts/forensics_run.py OUT [--kill-at N] [--resume] [--packing] [--steps S]
     torchrun --nproc_per_node 2 tests/dist_scripts/forensics_run.py OUT ...
 
-The poison is data-driven and reproducible: a forward hook on the LM head multiplies (or NaNs) the logits at the
+The poison is data-driven and reproducible: a forward hook on the final norm multiplies (or NaNs) the logits at the
 positions whose input token is `MAGIC`, and only the poisoned record holds that token, so the record's own loss
 is huge (or NaN), the skip guard skips its step, and a re-run of the batch reproduces it - as a garbage record
 would. Each rank writes result_rank<r>.json (quarantine, skipped steps) and lora_rank<r>.pt (final LoRA tensors).
@@ -73,7 +73,11 @@ def position_of(step: int, slot: int = 1, world: int = 1) -> int:
 
 def poison(model, factor: float, grad_free: bool = False) -> None:
     """`grad_free`: the loss sees the scaled logits, the gradient the unscaled ones (a high loss without a gradient
-    spike: too mild for the skip guard, a case for screening)."""
+    spike: too mild for the skip guard, a case for screening).
+
+    The hook is on the body's final norm: the head is a bias-free linear map, so scaling a position's hidden state
+    scales its logits, and the poison reaches the chunked training loss (which calls the head on selected rows,
+    not on ``[B, T, H]``) and the model's own forward alike."""
     seen = {}
     model.register_forward_pre_hook(lambda m, a, kw: seen.update(ids=kw.get("input_ids")), with_kwargs=True)
 
@@ -88,7 +92,7 @@ def poison(model, factor: float, grad_free: bool = False) -> None:
             bad = out * factor if math.isfinite(factor) else torch.full_like(out, factor)
         return torch.where(hit, bad, out)
 
-    model.base_model.model.lm_head.register_forward_hook(hook)
+    model.base_model.model.model.norm.register_forward_hook(hook)
 
 
 def table() -> RecordTable:

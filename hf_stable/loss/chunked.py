@@ -1,0 +1,165 @@
+"""Causal-LM cross-entropy over chunks of the hidden states: the ``[tokens, vocab]`` logits are never held.
+
+The loss needs the logits only at the supervised positions (shifted labels != -100). Those rows of the hidden states
+are selected (one host sync: the count), and the LM head and the cross-entropy run over `chunk_size` of them at a
+time inside `torch.utils.checkpoint`: the forward keeps each chunk's inputs and its per-token NLL, not its logits, and
+the backward recomputes one chunk's logits at a time. Peak logits memory is ``chunk_size x vocab`` instead of
+``tokens x vocab`` (and its gradient), for one more head matmul over the supervised rows.
+
+The head is called as a module, so whatever wraps it takes part: a LoRA on ``lm_head``, peft's ``modules_to_save``
+copy, tied embeddings (the head's weight is the embedding's), ZeRO-3's gather on module forward.
+
+Same arithmetic as transformers' ``ForCausalLMLoss`` (``loss/loss_utils.py``): labels padded by one -100 and shifted
+(or the caller's ``shift_labels``), logits upcast to float32 after the head (and after Gemma's
+``final_logit_softcapping``, applied in the head's dtype as the model does), ``sum / num_items_in_batch`` when the
+Trainer passes it, else the mean over the supervised tokens. The optional z-loss (PaLM, arXiv 2204.02311) adds
+``z_loss * logsumexp(logits)^2`` per supervised token, normalised the same way.
+
+`row_fns` lets a caller read per-token statistics from the same chunks (detached float32 logits, computed once in the
+forward, never in the recompute): what the forensics read from the full logits on the model's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+RowFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+@dataclass
+class ChunkedLoss:
+    """What `chunked_cross_entropy` computed.
+
+    Attributes:
+        loss: the scalar loss (with grad), as the model's forward would return it (plus the z-loss when asked).
+        rows: flat indices (into ``labels.reshape(-1)``) of the supervised positions, in chunk order.
+        nll: per supervised position, its NLL (float32, detached).
+        row_stats: per function of `row_fns`, its tensors concatenated over the chunks (one value per entry of
+            `rows`), keyed by the function.
+    """
+
+    loss: torch.Tensor
+    rows: torch.Tensor
+    nll: torch.Tensor
+    row_stats: dict[RowFn, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+
+def shifted_labels(labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """The label each position predicts: ``labels`` shifted left by one with -100 at every row's end (the model's
+    own loss), or `shift_labels` as given (context / sequence parallelism passes them pre-shifted)."""
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def _chunk_logits(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    if softcap is not None:  # in the head's dtype, as Gemma's forward does, before the loss upcasts
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits.float()
+
+
+class _RowStats:
+    """The row functions' results for one chunk, filled by the first call only (the recompute calls again)."""
+
+    def __init__(self, fns: Sequence[RowFn]):
+        self.fns = fns
+        self.out: list[tuple[torch.Tensor, ...]] | None = None
+
+    def read(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        if self.fns and self.out is None:
+            with torch.no_grad():
+                self.out = [tuple(t.float() for t in fn(logits.detach(), target)) for fn in self.fns]
+
+
+def _chunk(hidden, target, head, softcap, stats: _RowStats):
+    """(NLL, logsumexp) per row of one chunk."""
+    logits = _chunk_logits(head, hidden, softcap)
+    lse = torch.logsumexp(logits, dim=-1)
+    nll = lse - logits.gather(1, target[:, None])[:, 0]
+    stats.read(logits, target)
+    return nll, lse
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    labels: torch.Tensor | None,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    chunk_size: int = 1024,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    row_fns: Sequence[RowFn] = (),
+) -> ChunkedLoss:
+    """The causal-LM loss of `hidden` ``[..., T, H]`` through `head`, never holding more than `chunk_size` rows of
+    logits.
+
+    Args:
+        hidden: the model body's last hidden states.
+        head: the LM head module (``model.get_output_embeddings()``, LoRA / peft wrappers included).
+        labels: ``[..., T]`` with -100 where not supervised (unshifted, as passed to the model); ignored when
+            `shift_labels` is given.
+        shift_labels: pre-shifted labels (position t is scored against ``shift_labels[t]``).
+        num_items_in_batch: the Trainer's supervised-token count over the accumulated batch: the loss is then
+            ``sum / num_items_in_batch``; None: the mean over this batch's supervised tokens (NaN when none).
+        chunk_size: supervised rows per chunk.
+        softcap: Gemma's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``); None: off.
+        z_loss: weight of ``logsumexp(logits)^2`` per supervised token; 0: off.
+        row_fns: functions ``fn(logits [n, V] float32 detached, target [n]) -> tuple of [n] tensors`` evaluated on
+            every chunk's logits once (see `ChunkedLoss.row_stats`).
+
+    Example:
+        >>> out = chunked_cross_entropy(body(input_ids).last_hidden_state, model.lm_head, labels)
+        >>> out.loss.backward()
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size: got {chunk_size}, must be > 0")
+    target = shifted_labels(labels, shift_labels).reshape(-1).to(hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    rows = torch.nonzero(target.ne(IGNORE_INDEX)).reshape(-1)  # the one host sync: how many rows to score
+    selected, gold = flat.index_select(0, rows), target.index_select(0, rows)
+    total = selected.sum() * 0.0  # connected to the graph even without a supervised token (a zero gradient)
+    nlls, stats_out = [], []
+    for start in range(0, rows.numel(), chunk_size):
+        stats = _RowStats(row_fns)
+        nll, lse = checkpoint(
+            _chunk,
+            selected[start : start + chunk_size],
+            gold[start : start + chunk_size],
+            head,
+            softcap,
+            stats,
+            use_reentrant=False,
+        )
+        total = total + nll.sum()
+        if z_loss:
+            total = total + z_loss * lse.pow(2).sum()
+        nlls.append(nll.detach())
+        if row_fns:
+            stats_out.append(stats.out)
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        loss = total / num_items_in_batch
+    else:
+        loss = total / rows.numel() if rows.numel() else total / 0.0
+    nll = torch.cat(nlls) if nlls else torch.zeros(0, dtype=torch.float32, device=hidden.device)
+    return ChunkedLoss(loss, rows, nll, _concat_stats(stats_out, row_fns, hidden.device))
+
+
+def _concat_stats(per_chunk: list[list[tuple[torch.Tensor, ...]]], fns: Sequence[RowFn], device) -> dict:
+    if not per_chunk:  # no supervised row: each function's outputs empty (its arity is unknown without a call)
+        return {fn: () for fn in fns}
+    return {
+        fn: tuple(torch.cat(parts) for parts in zip(*(c[k] for c in per_chunk), strict=True))
+        for k, fn in enumerate(fns)
+    }

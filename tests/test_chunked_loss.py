@@ -1,0 +1,171 @@
+"""The chunked training loss (`hf_stable.loss`): the same loss and gradients as the model's own forward, and the
+model's forward wherever logits are asked for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3Config, TrainerCallback
+
+from hf_stable.config.loss import TrainingLossConfig
+from hf_stable.core.step_tap import StepTap
+from hf_stable.loss import chunked_cross_entropy, chunked_training_forward, unsupported_reason
+from hf_stable.trainer import StableTrainer
+from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
+
+V = 384
+SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+def _model(kind: str):
+    torch.manual_seed(0)
+    if kind == "qwen3_tied":
+        config = Qwen3Config(vocab_size=V, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, **SMALL)
+    elif kind == "gemma2_softcap":  # a cap of 2 bites on random-init logits (the usual 30 would be near-linear)
+        config = Gemma2Config(vocab_size=V, num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0, **SMALL)
+    else:
+        config = LlamaConfig(vocab_size=V, num_key_value_heads=2, **SMALL)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
+    if kind == "llama_lora_head":
+        lora["target_modules"] = ["q_proj", "v_proj", "lm_head"]
+    if kind == "llama_saved_head":
+        lora["modules_to_save"] = ["lm_head"]
+    return get_peft_model(model, LoraConfig(**lora)).train()
+
+
+def _batch(layout: str) -> dict:
+    g = torch.Generator().manual_seed(3)
+    if layout == "padded":  # right padding, prompts masked, rows of different lengths
+        ids = torch.randint(0, V, (3, 14), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 9:] = 0
+        mask[2, 5:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :3] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    lengths = [7, 11, 5]  # packed: one row, position_ids restart per sample, each sample's first label -100
+    ids = torch.randint(0, V, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[pos == 0] = -100
+    labels[0, 8:10] = -100
+    return {"input_ids": ids, "position_ids": pos, "labels": labels}
+
+
+def _loss_and_grads(model, batch, chunked: bool, **cfg):
+    params = [p for p in model.parameters() if p.requires_grad]
+    with chunked_training_forward(model, TrainingLossConfig(chunked=chunked, chunk_size=5, **cfg)) as run:
+        out = model(**batch, use_cache=False)
+    assert (run is not None and run.calls == 1) == chunked  # the path asked for is the path taken
+    assert (out.logits is None) == chunked
+    return out.loss.detach(), torch.autograd.grad(out.loss, params)
+
+
+def _assert_same(a, b):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=0)
+    scale = max(g.abs().max().item() for g in grads_a)
+    for ga, gb in zip(grads_a, grads_b, strict=True):  # atol: elements near zero, relative to the largest gradient
+        torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("kind", ["llama_lora", "llama_lora_head", "llama_saved_head", "qwen3_tied", "gemma2_softcap"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_loss_and_gradients_equal_the_models_forward(kind, layout):
+    model, batch = _model(kind), _batch(layout)
+    assert unsupported_reason(model.get_base_model()) is None
+    if kind == "qwen3_tied":
+        base = model.get_base_model()
+        assert base.lm_head.weight is base.model.embed_tokens.weight
+    for items in (None, torch.tensor(40)):  # the model's mean, and the Trainer's sum / num_items_in_batch
+        kw = {} if items is None else {"num_items_in_batch": items}
+        _assert_same(_loss_and_grads(model, {**batch, **kw}, False), _loss_and_grads(model, {**batch, **kw}, True))
+
+
+def test_z_loss_and_row_statistics_come_from_the_chunks():
+    model, batch = _model("llama_lora"), _batch("padded")
+    base = model.get_base_model()
+    hidden = base.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    logits = base.lm_head(hidden).float()
+    target = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:].reshape(-1)
+    keep = target.ne(-100)
+    flat = logits.reshape(-1, V)[keep]
+    lse = torch.logsumexp(flat, -1)
+    expected = torch.nn.functional.cross_entropy(flat, target[keep]) + 1e-2 * lse.pow(2).mean()
+
+    def fn(logits, gold):
+        return (logits.amax(-1),)
+
+    out = chunked_cross_entropy(hidden, base.lm_head, batch["labels"], chunk_size=4, z_loss=1e-2, row_fns=[fn])
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.rows, torch.nonzero(keep).reshape(-1))
+    torch.testing.assert_close(out.row_stats[fn][0], flat.amax(-1).detach())
+    (g_chunked,) = torch.autograd.grad(out.loss, hidden, retain_graph=True)
+    (g_full,) = torch.autograd.grad(expected, hidden)
+    torch.testing.assert_close(g_chunked, g_full, rtol=1e-5, atol=1e-6 * g_full.abs().max().item())
+
+
+def test_a_batch_without_a_supervised_token_gives_a_zero_gradient_under_num_items():
+    model, batch = _model("llama_lora"), _batch("padded")
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    loss, grads = _loss_and_grads(model, {**batch, "num_items_in_batch": torch.tensor(8)}, True)
+    assert loss.item() == 0.0 and all(not g.any() for g in grads)
+
+
+class _HeadInputs(TrainerCallback):
+    """Records the rank of every LM head input: 2 on the chunked path ([rows, H]), 3 on the model's ([B, T, H])."""
+
+    def __init__(self, model):
+        self.ranks: list[int] = []
+        model.get_base_model().lm_head.register_forward_hook(lambda m, a, o: self.ranks.append(a[0].dim()))
+
+
+def _train(tmp_path, chunked: bool, listener=None, steps: int = 6):
+    model = tiny_lora_llama()
+    heads = _HeadInputs(model)
+    if listener is not None:
+        StepTap.shared(model).attach().add_output_listener(listener)
+    args = training_args(tmp_path / f"c{int(chunked)}", max_steps=steps, learning_rate=5e-3, max_grad_norm=1.0)
+    trainer = StableTrainer(
+        model=model, args=args, train_dataset=token_data(), training_loss=TrainingLossConfig(chunked=chunked)
+    )
+    trainer.train()
+    return trainer, heads
+
+
+def test_trainer_chunked_steps_train_like_the_full_path_and_evaluation_keeps_logits(tmp_path):
+    full, heads_full = _train(tmp_path, chunked=False)
+    chunked, heads = _train(tmp_path, chunked=True)
+    assert heads_full.ranks == [3] * 6 and heads.ranks and set(heads.ranks) == {2}  # every step, chunked
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (full, chunked)]
+    assert len(losses[1]) == 6 and losses[0][0] == pytest.approx(losses[1][0], rel=1e-6)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    weights = [{n: p for n, p in t.model.named_parameters() if p.requires_grad} for t in (full, chunked)]
+    assert weights[0].keys() == weights[1].keys() and weights[0]
+    for name, w in weights[0].items():  # 6 clipped AdamW steps later, the same adapter
+        torch.testing.assert_close(weights[1][name], w, rtol=1e-4, atol=1e-6)
+    heads.ranks.clear()
+    metrics = chunked.evaluate(token_data(n=8))  # evaluation: the model's forward (logits for compute_metrics)
+    assert set(heads.ranks) == {3} and metrics["eval_loss"] > 0
+    heads.ranks.clear()
+    chunked.model.train()
+    batch = chunked._prepare_inputs({k: torch.stack([r[k] for r in token_data(n=2)]) for k in ("input_ids", "labels")})
+    loss, out = chunked.compute_loss(chunked.model, batch, return_outputs=True)
+    assert out.logits is not None and heads.ranks == [3] and torch.isfinite(loss)
+
+
+def test_a_logits_listener_keeps_the_full_path(tmp_path):
+    seen = []
+    _, heads = _train(tmp_path, chunked=True, listener=lambda kw, out, ids: seen.append(out.logits.shape), steps=2)
+    assert heads.ranks == [3, 3] and len(seen) == 2
+
+
+def test_models_whose_forward_is_not_head_plus_cross_entropy_keep_it():
+    torch.manual_seed(0)
+    scaled = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=V, num_key_value_heads=2, **SMALL))
+    scaled.config.logit_scale = 0.5
+    assert "scales its logits" in unsupported_reason(scaled)
+    with chunked_training_forward(scaled, TrainingLossConfig()) as run:
+        assert run is None
