@@ -14,8 +14,9 @@ Every hf_stable callback works in a stock `Trainer`; this subclass removes what 
   records (`forensics.quarantine`).
 * Training steps compute the loss with `hf_stable.loss` (``training_loss.chunked``, the default): the LM head and the
   cross-entropy over chunks of the supervised positions, so the ``[tokens, vocab]`` logits are never held. Where
-  logits are asked for (``return_outputs``, `prediction_step` / evaluation, a `StepTap` output listener such as the
-  forensics' screening) the model's own forward runs. A ``compute_loss_func`` or label smoothing keeps it too.
+  logits are asked for (``return_outputs``, `prediction_step` / evaluation, a `StepTap` output listener that reads
+  logits) the model's own forward runs; the forensics' screening reads its per-sample statistics from the chunks. A
+  ``compute_loss_func`` or label smoothing keeps the model's forward too.
 * With a guard that changes gradient accumulation (batch warmup, thermal), the sampler is an `EpochStreamSampler`
   holding every micro-batch the plan can ask for, and a resume skips the micro-batches really consumed (not
   `global_step x accumulation`), so it continues bit for bit.
@@ -194,9 +195,11 @@ class StableTrainer(Trainer):
             and self.label_smoother is None
             and isinstance(inputs, dict)
             and ("labels" in inputs or "shift_labels" in inputs)
-            and not (self.model is not None and StepTap.shared(self.model).reads_logits)
         )
-        return chunked_training_forward(model, self.training_loss) if chunked else contextlib.nullcontext()
+        tap = StepTap.shared(self.model) if self.model is not None else None
+        if not chunked or (tap is not None and tap.reads_logits):
+            return contextlib.nullcontext()
+        return chunked_training_forward(model, self.training_loss, row_fns=tap.row_fns if tap is not None else ())
 
     def _clip_grad_norm(self, model):
         norm = self._shared_norm(model, self.args.max_grad_norm)

@@ -84,6 +84,18 @@ def test_loss_and_gradients_equal_the_models_forward(kind, layout):
         _assert_same(_loss_and_grads(model, {**batch, **kw}, False), _loss_and_grads(model, {**batch, **kw}, True))
 
 
+@pytest.mark.parametrize("kind", ["llama_lora_head", "gemma2_softcap"])
+def test_bf16_autocast_matches_the_models_forward_to_bf16_precision(kind):
+    """The backward recomputes the head under the forward's autocast (a bf16 head, float32 loss)."""
+    model, batch = _model(kind), _batch("packed")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full, ours = _loss_and_grads(model, batch, False), _loss_and_grads(model, batch, True)
+    torch.testing.assert_close(ours[0], full[0], rtol=2e-3, atol=0)
+    for ga, gb in zip(full[1], ours[1], strict=True):
+        scale = ga.abs().max().item()
+        assert (gb - ga).abs().max().item() <= 2e-2 * scale + 1e-6
+
+
 def test_z_loss_and_row_statistics_come_from_the_chunks():
     model, batch = _model("llama_lora"), _batch("padded")
     base = model.get_base_model()
@@ -156,7 +168,7 @@ def test_trainer_chunked_steps_train_like_the_full_path_and_evaluation_keeps_log
     assert out.logits is not None and heads.ranks == [3] and torch.isfinite(loss)
 
 
-def test_a_logits_listener_keeps_the_full_path(tmp_path):
+def test_a_listener_that_reads_logits_keeps_the_full_path(tmp_path):
     seen = []
     _, heads = _train(tmp_path, chunked=True, listener=lambda kw, out, ids: seen.append(out.logits.shape), steps=2)
     assert heads.ranks == [3, 3] and len(seen) == 2
@@ -169,3 +181,56 @@ def test_models_whose_forward_is_not_head_plus_cross_entropy_keep_it():
     assert "scales its logits" in unsupported_reason(scaled)
     with chunked_training_forward(scaled, TrainingLossConfig()) as run:
         assert run is None
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_forensics_per_sample_statistics_come_out_of_the_chunks_unchanged(layout):
+    from hf_stable.forensics.sample_loss import (
+        answer_row_fn,
+        chunk_answer_stats,
+        chunk_sample_loss,
+        per_sample_answer_stats,
+        per_sample_loss,
+    )
+
+    model, batch = _model("llama_lora"), _batch(layout)
+    g = torch.Generator().manual_seed(5)
+    prefixes = torch.randint(-1, V, (V, 3), generator=g)  # -1: no prefix
+    text = torch.rand(V, generator=g) > 0.2
+    rows = answer_row_fn(lambda vocab, device: prefixes)
+    where = (batch["labels"], batch.get("position_ids"), 3)
+    with torch.no_grad():
+        logits = model(**batch, use_cache=False).logits
+        with chunked_training_forward(model, TrainingLossConfig(chunk_size=4), row_fns=[rows]):
+            chunked = model(**batch, use_cache=False).chunked
+    for full, ours in [
+        (per_sample_loss(logits, *where), chunk_sample_loss(chunked, *where)),
+        (per_sample_answer_stats(logits, *where, prefixes, text), chunk_answer_stats(chunked, rows, *where, text)),
+    ]:
+        for a, b in zip(full, ours, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_screening_runs_on_the_chunks_and_sees_what_the_full_path_sees(tmp_path, monkeypatch):
+    from hf_stable.callbacks import spike_forensics as sf
+    from tests.dist_scripts.forensics_run import build
+
+    seen: dict[bool, list] = {True: [], False: []}
+    real = sf.SpikeForensics._sample_losses
+
+    def record(self, kwargs, source, ids):
+        out = real(self, kwargs, source, ids)
+        seen[not isinstance(source, torch.Tensor)].append(out)
+        return out
+
+    monkeypatch.setattr(sf.SpikeForensics, "_sample_losses", record)
+    for chunked in (True, False):
+        trainer, _, _ = build(
+            tmp_path / str(chunked), factor=1.0, poison_index=-1, steps=3, forensics_kw={"screen": True}
+        )
+        trainer.training_loss = TrainingLossConfig(chunked=chunked)
+        trainer.train()
+    assert len(seen[True]) == len(seen[False]) == 3  # chunked run: every step from the chunks, no full logits
+    for ours, full in zip(seen[True], seen[False], strict=True):
+        for a, b in zip(full, ours, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, equal_nan=True)

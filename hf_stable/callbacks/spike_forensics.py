@@ -8,7 +8,7 @@ on them again - on every rank, across resumes.
   added as evidence. Cost: only on bad steps - one forward of the step (two with a snapshot) plus one
   forward/backward per culprit.
 * **Screening** (``data.screen: true``): every training forward's per-sample losses are computed on device from
-  its logits and kept on device; every `screen_every` steps (and before a checkpoint, so a resume sees the same
+  its logits (with the chunked training loss, from its chunks: `hf_stable.loss`) and kept on device; every `screen_every` steps (and before a checkpoint, so a resume sees the same
   decisions) they are gathered once and judged against the running distribution of healthy per-sample losses.
   Outliers go through the same quarantine; the rest feed the distribution. No host sync on the other steps.
 * **Trajectories** (with screening, `hf_stable.forensics.trajectory`): the same forwards' per-sample loss and
@@ -133,8 +133,8 @@ class SpikeForensics(EpochVerdicts, StepTapUser, StabilityCallback):
         self.quarantine.output_dir = args.output_dir if state.is_world_process_zero else None
         self.quarantine.rewrite()  # a resume: the file holds what the checkpoint holds
         tap = self._use_step_tap(model)
-        if tap is not None and self.cfg.screen:
-            tap.add_output_listener(self._screen_forward)
+        if tap is not None and self.cfg.screen:  # the chunked training loss's chunks serve it (no whole logits)
+            tap.add_output_listener(self._screen_forward, reads_chunks=True, row_fn=self._answer_rows)
         if self.cfg.screen and getattr(self.records, "degenerate", None):
             # the same table on every rank (built from the data): an agreed list, named before any step
             degenerate = [
@@ -248,12 +248,13 @@ class SpikeForensics(EpochVerdicts, StepTapUser, StabilityCallback):
     # --- screening -----------------------------------------------------------------------------------------
     def _screen_forward(self, kwargs, output, record_ids) -> None:
         logits = getattr(output, "logits", None)
+        source = logits.detach() if logits is not None else getattr(output, "chunked", None)  # hf_stable.loss
         labels = kwargs.get("labels")
-        if record_ids is None or logits is None or not isinstance(labels, torch.Tensor):
+        if record_ids is None or source is None or not isinstance(labels, torch.Tensor):
             return
         started = time.perf_counter()
         with torch.no_grad():
-            loss, count = self._sample_losses(kwargs, logits.detach(), record_ids)
+            loss, count = self._sample_losses(kwargs, source, record_ids)
         kept = {k: v for k, v in kwargs.items() if k in SAMPLE_KEYS and isinstance(v, torch.Tensor)}
         self._buffer.append((self._step, record_ids.to(loss.device), loss, count, kept))
         self.screen_seconds += time.perf_counter() - started  # on an accelerator: launch time only (no sync here)

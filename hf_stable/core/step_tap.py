@@ -66,6 +66,8 @@ class StepTap:
         self.n_losses = 0
         self._stats = None  # the model's GradStats, which transfers our loss sums
         self._output_listeners: list = []
+        self._logit_readers: list = []  # listeners that need output.logits (not output.chunked)
+        self._row_fns: list = []
 
     @classmethod
     def shared(cls, model: torch.nn.Module) -> StepTap:
@@ -124,16 +126,31 @@ class StepTap:
         with self.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
             yield
 
-    def add_output_listener(self, fn) -> None:
+    def add_output_listener(self, fn, reads_chunks: bool = False, row_fn=None) -> None:
         """`fn(kwargs, output, record_ids)` after every recorded training forward (e.g. per-sample screening, which
-        reads the logits the forward produced); registering the same function twice has no effect."""
-        if fn not in self._output_listeners:
-            self._output_listeners.append(fn)
+        reads the logits the forward produced); registering the same function twice has no effect.
+
+        `reads_chunks`: `fn` also takes the output of a chunked training forward (`hf_stable.loss`: no
+        ``logits``, ``output.chunked`` holds the supervised tokens' NLL); without it, registering `fn` keeps the
+        model's full-logits forward for training. `row_fn`: a per-token statistic `fn` wants computed on each
+        chunk's logits (``output.chunked.row_stats[row_fn]``)."""
+        if fn in self._output_listeners:
+            return
+        self._output_listeners.append(fn)
+        if not reads_chunks:
+            self._logit_readers.append(fn)
+        if row_fn is not None:
+            self._row_fns.append(row_fn)
 
     @property
     def reads_logits(self) -> bool:
-        """True when an output listener reads the training forwards' logits (they must then be built)."""
-        return bool(self._output_listeners)
+        """True when an output listener needs the training forwards' whole logits (they must then be built)."""
+        return bool(self._logit_readers)
+
+    @property
+    def row_fns(self) -> tuple:
+        """The per-token statistics the listeners want from a chunked loss's chunks."""
+        return tuple(self._row_fns)
 
     def note_record_ids(self, record_ids: torch.Tensor | None) -> None:
         """The record ids of the micro-batch about to be forwarded (kept with its inputs by the next forward)."""

@@ -9,7 +9,13 @@ import time
 import torch
 
 from hf_stable.forensics.attribution import Culprit, SampleRow
-from hf_stable.forensics.sample_loss import per_sample_answer_stats, per_sample_loss
+from hf_stable.forensics.sample_loss import (
+    answer_row_fn,
+    chunk_answer_stats,
+    chunk_sample_loss,
+    per_sample_answer_stats,
+    per_sample_loss,
+)
 from hf_stable.forensics.token_prefixes import fit_to_vocab, prefix_table, special_ids, text_mask
 from hf_stable.forensics.trajectory import TrajectoryTable
 
@@ -24,11 +30,13 @@ class EpochVerdicts:
     _prefix_source = None  # the tokenizer's table (CPU) until the first forward tells the vocabulary size
     _special = None  # the tokenizer's special token ids (CPU); _text: [V] bool, the answer-text tokens (device)
     _text = None
+    _answer_rows = None  # with trajectories: the row function the chunked loss runs on its chunks (sample_loss)
 
     def _init_trajectory(self, cfg, records) -> None:
         self.trajectory = None
         if cfg.screen and cfg.trajectory:
             self.trajectory = TrajectoryTable(len(records or []), cfg.trajectory_sightings, cfg.trajectory_max_records)
+            self._answer_rows = answer_row_fn(self._fit_tables)
         self._epochs_judged = 0
 
     def _trajectory_state(self) -> dict:
@@ -48,23 +56,33 @@ class EpochVerdicts:
         self._special = special_ids(tokenizer) if used else None
         self._prefixes = self._text = None
 
-    def _sample_losses(self, kwargs, logits, record_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        """Screening's per-sample (loss, supervised-token count) of a training forward (on device, no sync); with
-        trajectories, from the same pass that buffers the table's values."""
-        if self.trajectory is None:
-            return per_sample_loss(logits, kwargs["labels"], kwargs.get("position_ids"), len(record_ids))
-        return self._observe_trajectory(kwargs, logits, record_ids)
+    def _sample_losses(self, kwargs, source, record_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """Screening's per-sample (loss, supervised-token count) of a training forward (on device, no sync) from its
+        logits or a chunked loss's `ChunkedLoss`; with trajectories, from the same pass that buffers the table's
+        values."""
+        if self.trajectory is not None:
+            return self._observe_trajectory(kwargs, source, record_ids)
+        if isinstance(source, torch.Tensor):
+            return per_sample_loss(source, kwargs["labels"], kwargs.get("position_ids"), len(record_ids))
+        return chunk_sample_loss(source, kwargs["labels"], kwargs.get("position_ids"), len(record_ids))
 
-    def _observe_trajectory(self, kwargs, logits, record_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fit_tables(self, vocab: int, device) -> torch.Tensor | None:
+        """The prefix table (returned) and text mask, fitted to the logits' vocabulary once."""
+        if self._prefixes is None and self._prefix_source is not None:
+            self._prefixes = fit_to_vocab(self._prefix_source, vocab, device)
+        if self._text is None and self._special is not None:
+            self._text = text_mask(self._special, vocab, device)
+        return self._prefixes
+
+    def _observe_trajectory(self, kwargs, source, record_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """One training forward's per-sample values into the table's buffer; returns (loss, count)."""
         started = time.perf_counter()
-        if self._prefixes is None and self._prefix_source is not None:
-            self._prefixes = fit_to_vocab(self._prefix_source, logits.shape[-1], logits.device)
-        if self._text is None and self._special is not None:
-            self._text = text_mask(self._special, logits.shape[-1], logits.device)
-        loss, count, nats, first, margin = per_sample_answer_stats(
-            logits, kwargs["labels"], kwargs.get("position_ids"), len(record_ids), self._prefixes, self._text
-        )
+        where = (kwargs["labels"], kwargs.get("position_ids"), len(record_ids))
+        if isinstance(source, torch.Tensor):
+            prefixes = self._fit_tables(source.shape[-1], source.device)
+            loss, count, nats, first, margin = per_sample_answer_stats(source, *where, prefixes, self._text)
+        else:  # the chunks ran `_answer_rows`, which fitted the tables
+            loss, count, nats, first, margin = chunk_answer_stats(source, self._answer_rows, *where, self._text)
         self.trajectory.observe(self._step, record_ids, loss, count, nats, first, margin)
         self.trajectory_seconds += time.perf_counter() - started
         return loss, count

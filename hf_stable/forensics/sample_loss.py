@@ -100,21 +100,28 @@ def per_sample_answer_stats(
     bound). `text` (``[V]`` bool, `token_prefixes.text_mask`): only the supervised tokens that are text count for
     those three - the end-of-turn / EOS token is left out. NaN for a sample without one."""
     flat, seg, gold, supervised, n_segments = _positions(logits, labels, position_ids, n_segments)
+    rows = _supervised_rows(flat, supervised, lambda f, g: _agreeing_mass(f, g, prefixes), gold)
+    return _answer_stats(seg, gold, supervised, rows, n_segments, text)
+
+
+def _answer_stats(seg, gold, supervised, rows, n_segments: int, text):
+    """`per_sample_answer_stats` from every position's (plain NLL, log-agreeing mass, best disagreeing) values."""
+    plain, log_agree, disagree = rows
+    device = plain.device
     mask = supervised & text[gold] if text is not None else supervised
-    plain, log_agree, disagree = _supervised_rows(flat, supervised, lambda f, g: _agreeing_mass(f, g, prefixes), gold)
     margin = torch.where(mask, log_agree - disagree, torch.zeros_like(plain))
     nll = torch.where(mask, -log_agree, torch.zeros_like(plain))
-    zeros = torch.zeros(n_segments, dtype=torch.float32, device=logits.device)
+    zeros = torch.zeros(n_segments, dtype=torch.float32, device=device)
     count = zeros.index_add(0, seg, supervised.float())
     loss = zeros.index_add(0, seg, plain) / count
     text_count = zeros.index_add(0, seg, mask.float())
     nats = zeros.index_add(0, seg, nll)
     margins = zeros.index_add(0, seg, margin) / text_count
-    where = torch.arange(seg.numel(), device=logits.device)
+    where = torch.arange(seg.numel(), device=device)
     where = torch.where(mask, where, torch.full_like(where, seg.numel()))
-    first = torch.full((n_segments,), seg.numel(), dtype=where.dtype, device=logits.device)
+    first = torch.full((n_segments,), seg.numel(), dtype=where.dtype, device=device)
     first = first.scatter_reduce(0, seg, where, reduce="amin", include_self=True)
-    padded = torch.cat([nll, torch.full((1,), math.nan, device=logits.device)])
+    padded = torch.cat([nll, torch.full((1,), math.nan, device=device)])
     nats = torch.where(text_count > 0, nats, torch.full_like(nats, math.nan))
     return loss, count, nats, padded[first], margins
 
@@ -130,3 +137,49 @@ def _agreeing_mass(flat: torch.Tensor, gold: torch.Tensor, prefixes: torch.Tenso
     agreeing[:, -1] = False  # all three agree: the third stands for the best disagreeing token
     disagree = top.values.float().masked_fill(agreeing, -math.inf).max(-1).values
     return lse - agree_logits[:, 0], torch.logsumexp(agree_logits, dim=-1) - lse, disagree - lse
+
+
+# --- the same statistics from the chunked training loss (hf_stable.loss), which never builds the whole logits ------
+
+
+def _chunk_positions(chunked, labels, position_ids, n_segments):
+    """(segment, gold, supervised mask, position index of every chunk row, n_segments) in `_positions`' layout: the
+    chunks' rows index the ``[B, T]`` positions, row t of sample b predicting label t + 1 (never the last column)."""
+    b, t = labels.shape
+    seg = segment_index(labels, position_ids).reshape(b, t)[:, 1:].reshape(-1)
+    target = labels[:, 1:].reshape(-1)
+    if n_segments is None:
+        n_segments = b if position_ids is None else int(seg.max().item()) + 1 if seg.numel() else 0
+    at = chunked.rows // t * (t - 1) + chunked.rows % t
+    return seg, target.clamp_min(0), target.ne(IGNORE_INDEX), at, n_segments
+
+
+def _scatter(at: torch.Tensor, n: int, values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.zeros(n, dtype=torch.float32, device=at.device).index_copy(0, at, v.float()) for v in values)
+
+
+def chunk_sample_loss(chunked, labels, position_ids=None, n_segments=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`per_sample_loss` from a `hf_stable.loss.ChunkedLoss` (its per-token NLL) instead of the logits."""
+    seg, _, supervised, at, n_segments = _chunk_positions(chunked, labels, position_ids, n_segments)
+    (nll,) = _scatter(at, seg.numel(), (chunked.nll,))
+    sums = torch.zeros(n_segments, dtype=torch.float32, device=nll.device).index_add_(0, seg, nll)
+    counts = torch.zeros(n_segments, dtype=torch.float32, device=nll.device).index_add_(0, seg, supervised.float())
+    return sums / counts, counts
+
+
+def answer_row_fn(prefixes_of):
+    """A `hf_stable.loss` row function computing `per_sample_answer_stats`' per-token values on each chunk's logits;
+    `prefixes_of(vocab, device)` gives the prefix table for the logits' vocabulary (or None)."""
+
+    def answer_rows(logits: torch.Tensor, gold: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _agreeing_mass(logits, gold, prefixes_of(logits.shape[-1], logits.device))
+
+    return answer_rows
+
+
+def chunk_answer_stats(chunked, row_fn, labels, position_ids=None, n_segments=None, text=None):
+    """`per_sample_answer_stats` from a `ChunkedLoss` whose chunks ran `row_fn` (an `answer_row_fn`)."""
+    seg, gold, supervised, at, n_segments = _chunk_positions(chunked, labels, position_ids, n_segments)
+    values = chunked.row_stats.get(row_fn) or (chunked.nll,) * 3  # () / absent: no supervised row in the batch
+    rows = _scatter(at, seg.numel(), values)
+    return _answer_stats(seg, gold, supervised, rows, n_segments, text)

@@ -2,9 +2,12 @@
 
 The loss needs the logits only at the supervised positions (shifted labels != -100). Those rows of the hidden states
 are selected (one host sync: the count), and the LM head and the cross-entropy run over `chunk_size` of them at a
-time inside `torch.utils.checkpoint`: the forward keeps each chunk's inputs and its per-token NLL, not its logits, and
-the backward recomputes one chunk's logits at a time. Peak logits memory is ``chunk_size x vocab`` instead of
-``tokens x vocab`` (and its gradient), for one more head matmul over the supervised rows.
+time in a custom autograd function: the forward keeps each chunk's inputs, its per-token NLL and log-sum-exp, not its
+logits; the backward calls the head again and turns the recomputed logits, in place, into their gradient
+(softmax - onehot, the same idea as Liger's fused linear cross-entropy and Cut Cross-Entropy, arXiv 2411.09009). Peak
+logits memory is one or two ``chunk_size x vocab`` tensors instead of ``tokens x vocab`` several times over (logits,
+log-softmax, their gradients); the cost is one more head matmul over the supervised rows, fewer than the full
+path's matmuls over every position.
 
 The head is called as a module, so whatever wraps it takes part: a LoRA on ``lm_head``, peft's ``modules_to_save``
 copy, tied embeddings (the head's weight is the embedding's), ZeRO-3's gather on module forward.
@@ -15,8 +18,8 @@ Same arithmetic as transformers' ``ForCausalLMLoss`` (``loss/loss_utils.py``): l
 Trainer passes it, else the mean over the supervised tokens. The optional z-loss (PaLM, arXiv 2204.02311) adds
 ``z_loss * logsumexp(logits)^2`` per supervised token, normalised the same way.
 
-`row_fns` lets a caller read per-token statistics from the same chunks (detached float32 logits, computed once in the
-forward, never in the recompute): what the forensics read from the full logits on the model's forward.
+`row_fns` lets a caller read per-token statistics from the same chunks (float32 logits, in the forward only): what the
+forensics read from the full logits on the model's forward.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 
@@ -59,33 +61,75 @@ def shifted_labels(labels: torch.Tensor, shift_labels: torch.Tensor | None = Non
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def _chunk_logits(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    logits = head(hidden)
-    if softcap is not None:  # in the head's dtype, as Gemma's forward does, before the loss upcasts
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits.float()
-
-
 class _RowStats:
-    """The row functions' results for one chunk, filled by the first call only (the recompute calls again)."""
+    """The row functions' results for one chunk (computed in the forward, on its logits)."""
 
     def __init__(self, fns: Sequence[RowFn]):
         self.fns = fns
         self.out: list[tuple[torch.Tensor, ...]] | None = None
 
     def read(self, logits: torch.Tensor, target: torch.Tensor) -> None:
-        if self.fns and self.out is None:
-            with torch.no_grad():
-                self.out = [tuple(t.float() for t in fn(logits.detach(), target)) for fn in self.fns]
+        if self.fns:
+            self.out = [tuple(t.float() for t in fn(logits, target)) for fn in self.fns]
 
 
-def _chunk(hidden, target, head, softcap, stats: _RowStats):
-    """(NLL, logsumexp) per row of one chunk."""
-    logits = _chunk_logits(head, hidden, softcap)
-    lse = torch.logsumexp(logits, dim=-1)
-    nll = lse - logits.gather(1, target[:, None])[:, 0]
-    stats.read(logits, target)
-    return nll, lse
+def _capped(raw: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The loss's float32 logits from the head's output: Gemma's soft-cap in the head's dtype (as its forward)."""
+    if softcap is not None:
+        raw = torch.tanh(raw / softcap) * softcap
+    return raw.float()
+
+
+class _ChunkCrossEntropy(torch.autograd.Function):
+    """(NLL, logsumexp) per row of one chunk; the backward calls the head again and writes d loss / d logits into
+    the recomputed logits' own storage, so a chunk holds one or two ``[rows, vocab]`` tensors at a time (autograd
+    through the head's output alone: a LoRA or trainable head gets its gradient, returned for its parameters)."""
+
+    @staticmethod
+    def forward(ctx, hidden, target, head, softcap, stats, *params):
+        device = hidden.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), device)
+        ctx.head, ctx.softcap, ctx.n_params = head, softcap, len(params)
+        ctx.set_materialize_grads(False)
+        logits = _capped(head(hidden), softcap)
+        lse = torch.logsumexp(logits, dim=-1)
+        nll = lse - logits.gather(1, target[:, None])[:, 0]
+        stats.read(logits, target)
+        ctx.save_for_backward(hidden, target, lse, *params)
+        return nll, lse
+
+    @staticmethod
+    def backward(ctx, g_nll, g_lse):
+        hidden, target, lse, *params = ctx.saved_tensors
+        enabled, dtype, device = ctx.autocast
+        h = hidden.detach().requires_grad_(ctx.needs_input_grad[0])
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            raw = ctx.head(h)
+        with torch.no_grad():
+            rows = torch.arange(target.numel(), device=target.device)
+            g_nll = g_nll if g_nll is not None else torch.zeros_like(lse)
+            coef = g_nll + g_lse if g_lse is not None else g_nll
+            if ctx.softcap is None:
+                # d nll / d logits = softmax - onehot(gold); d lse / d logits = softmax. The float32 logits are the
+                # head's output itself when it is float32 (its backward does not read its output)
+                grad = raw.detach().float().sub_(lse[:, None]).exp_().mul_(coef[:, None])
+                grad[rows, target] -= g_nll
+            else:  # through the cap: d cap*tanh(x/cap) / dx = 1 - tanh^2, the tanh taken in the head's dtype
+                t = torch.tanh(raw.detach() / ctx.softcap).float()
+                grad = (t * ctx.softcap).sub_(lse[:, None]).exp_().mul_(coef[:, None])
+                grad[rows, target] -= g_nll
+                grad.mul_(t.mul_(t).neg_().add_(1))
+                del t
+            grad = grad.to(raw.dtype)
+        wanted = [
+            x
+            for x, need in zip([h, *params], ctx.needs_input_grad[:1] + ctx.needs_input_grad[5:], strict=True)
+            if need
+        ]
+        grads = iter(torch.autograd.grad(raw, wanted, grad, allow_unused=True) if wanted else ())
+        g_h = next(grads) if ctx.needs_input_grad[0] else None
+        g_params = [next(grads) if need else None for need in ctx.needs_input_grad[5:]]
+        return (g_h, None, None, None, None, *g_params)
 
 
 def chunked_cross_entropy(
@@ -129,16 +173,11 @@ def chunked_cross_entropy(
     selected, gold = flat.index_select(0, rows), target.index_select(0, rows)
     total = selected.sum() * 0.0  # connected to the graph even without a supervised token (a zero gradient)
     nlls, stats_out = [], []
+    params = [p for p in head.parameters() if p.requires_grad]  # a LoRA / trainable head: gradients through apply
     for start in range(0, rows.numel(), chunk_size):
         stats = _RowStats(row_fns)
-        nll, lse = checkpoint(
-            _chunk,
-            selected[start : start + chunk_size],
-            gold[start : start + chunk_size],
-            head,
-            softcap,
-            stats,
-            use_reentrant=False,
+        nll, lse = _ChunkCrossEntropy.apply(
+            selected[start : start + chunk_size], gold[start : start + chunk_size], head, softcap, stats, *params
         )
         total = total + nll.sum()
         if z_loss:
