@@ -234,3 +234,28 @@ def test_screening_runs_on_the_chunks_and_sees_what_the_full_path_sees(tmp_path,
     for ours, full in zip(seen[True], seen[False], strict=True):
         for a, b in zip(full, ours, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_with_the_default_chunked_loss_like_the_full_path(tmp_path):
+    import json
+
+    from tests.test_recipe import run_recipe, tiny_overrides
+
+    losses = {}
+    for chunked in ("true", "false"):
+        tmp = tmp_path / chunked
+        tmp.mkdir()
+        extra = [
+            "--training_loss.chunked",
+            chunked,
+            "--evaluation.before",
+            "false",
+            "--evaluation.exact_match_samples",
+        ]
+        proc = run_recipe([*tiny_overrides(tmp, "llama", steps=6), *extra, "0"])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        state = json.loads((tmp / "out" / "trainer_state.json").read_text())
+        losses[chunked] = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert len(losses["true"]) == 3 and losses["true"] == pytest.approx(losses["false"], rel=1e-4)
+    assert losses["true"][-1] < losses["true"][0]  # it trains

@@ -40,8 +40,8 @@ def substitutions(model_dir: Path) -> dict[str, str]:
 
 def test_readme_has_the_examples_this_test_runs():
     blocks = python_blocks()
-    assert len(blocks) == 2 and all(HUB_MODEL in b for b in blocks)
-    assert "from transformers import" in blocks[1]  # each block is self-contained: nothing from the one before
+    assert len(blocks) == 3 and all(HUB_MODEL in b for b in blocks)
+    assert all("from transformers import" in b for b in blocks[1:])  # self-contained: nothing from the one before
 
 
 def test_readme_python_blocks_run_as_written(tiny_hub_model, tmp_path, monkeypatch):
@@ -60,5 +60,24 @@ def test_readme_python_blocks_run_as_written(tiny_hub_model, tmp_path, monkeypat
             saved = GenerationConfig.from_pretrained(tmp_path / "out")
             assert saved.eos_token_id == data.stop_token_ids == [namespace["tokenizer"].eos_token_id]
             assert data.audit["train"]["sample"]["marked"].endswith("<|end_of_text|>⟧")
-        else:
+        elif n == 1:
             assert namespace["model"].config._attn_implementation == "hf_stable"
+        else:
+            _train_with_the_chunked_loss_trainer(namespace, tmp_path)
+
+
+def _train_with_the_chunked_loss_trainer(namespace: dict, tmp_path: Path) -> None:
+    """The stock-Trainer example of the chunked loss trains, and its steps call the head on chunks ([rows, H])."""
+    import torch
+    from transformers import TrainingArguments
+
+    model, ranks = namespace["model"], []
+    model.lm_head.register_forward_hook(lambda m, a, o: ranks.append(a[0].dim()))
+    ids = torch.randint(0, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": r, "labels": r} for r in ids]
+    args = TrainingArguments(
+        tmp_path / "chunked", max_steps=2, per_device_train_batch_size=2, report_to=[], use_cpu=True
+    )
+    trainer = namespace["ChunkedLossTrainer"](model=model, args=args, train_dataset=rows)
+    trainer.train()
+    assert trainer.state.global_step == 2 and ranks == [2] * 4  # per step: the forward and the backward's recompute
