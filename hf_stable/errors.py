@@ -17,9 +17,14 @@ class HfStableError(Exception):
     ranks the recipe prints such a message on the rank that has it, naming the rank. Every other error comes from
     what all ranks read alike (the config, the data, the model, decisions rank 0 shares), so every rank stops with
     the same message and rank 0 alone prints it.
+
+    `exit_code` is what the recipe exits with (2: the input was wrong; 1: the run itself failed, e.g. replicas that
+    disagree) and `reason`, when set, is the short cause recorded in RUN_INCOMPLETE.json next to the message.
     """
 
     rank_local: bool = False
+    exit_code: int = 2
+    reason: str | None = None
 
 
 class ConfigError(HfStableError):

@@ -141,8 +141,13 @@ def load_model(cfg: RunConfig, base: str):
     return model
 
 
-def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool = False, quantization=None):
+def apply_lora(
+    model, lora: LoraSection, gradient_checkpointing: bool = False, quantization=None, trainable_tokens=None
+):
     """Wrap `model` with a peft LoRA adapter (or return it unchanged for a full fine-tune).
+
+    `trainable_tokens`: peft's `trainable_token_indices` ({embedding module name: token ids}), the rows
+    `model.untrained_tokens: train` trains (`hf_stable.embeddings.trainable_token_indices`).
 
     A quantized base first goes through peft's `prepare_model_for_kbit_training`: every base weight frozen, the
     weights left in 16-bit (embeddings, lm_head, norms) cast to fp32 (unless `quantization.upcast_fp32` is off:
@@ -195,6 +200,7 @@ def apply_lora(model, lora: LoraSection, gradient_checkpointing: bool = False, q
         use_dora=lora.use_dora,
         use_rslora=lora.use_rslora,
         task_type="CAUSAL_LM",
+        trainable_token_indices=trainable_tokens or None,
     )
     return get_peft_model(model, peft_cfg)
 

@@ -256,7 +256,8 @@ def print_once_per_job(text: str, *, rank_local: bool, code: int) -> None:
 
 @contextlib.contextmanager
 def error_boundary(output: OutputDir | None = None):
-    """Turn `HfStableError` into one clear line on stderr and exit code 2 (no traceback wall).
+    """Turn `HfStableError` into one clear line on stderr and its exit code (2 unless the error says otherwise; no
+    traceback wall).
 
     A full disk (ENOSPC / EDQUOT, however the library that hit it wraps it, or any failed save while the output
     dir's filesystem is nearly full: `hf_stable.full_disk`) is reported first, in one line naming the error, the
@@ -270,9 +271,10 @@ def error_boundary(output: OutputDir | None = None):
         yield
     except HfStableError as e:
         # an output dir that cannot be written cannot record its own failure either: the message says so already
-        note = output.fail(e) if output is not None and not isinstance(e, OutputDirError) else None
-        print_once_per_job(f"error: {e}" + (f"\n  ({note})" if note else ""), rank_local=e.rank_local, code=2)
-        raise SystemExit(2) from None
+        note = output.fail(e, reason=e.reason) if output is not None and not isinstance(e, OutputDirError) else None
+        code = e.exit_code
+        print_once_per_job(f"error: {e}" + (f"\n  ({note})" if note else ""), rank_local=e.rank_local, code=code)
+        raise SystemExit(code) from None
     except Preempted as e:
         if output is not None:
             output.preempted(e.signal_name, step=None, note="stopped outside a training step: nothing was saved")

@@ -27,6 +27,7 @@ from hf_stable.config import load_config, training_arguments
 from hf_stable.data import build_data
 from hf_stable.distributed import prepare_launch, shutdown
 from hf_stable.doctor import preflight
+from hf_stable.embeddings import handle_untrained_tokens, save_repair, trainable_token_indices
 from hf_stable.evaluation import evaluate_run, results_line
 from hf_stable.export.exporter import export_after_training
 from hf_stable.export.reference import record_after_training
@@ -65,14 +66,10 @@ def main(argv: list[str]) -> None:
         if moved is not None:
             logger.info("an earlier run's stability events were moved to %s", moved.name)
 
-        # 1. base model, tokenizer, LoRA
+        # 1. base model, tokenizer
         base = resolve_base(cfg.model)  # a directory or Hub id (an embedded base is built by now)
         tokenizer = load_tokenizer(cfg.model, base)
-        set_seed(args.seed)  # LoRA's random init must not depend on the process or the run
         model = load_model(cfg, base)
-        model = apply_lora(model, cfg.lora, args.gradient_checkpointing, quantization=cfg.model.quantization)
-        n_trainable, n_total = count_parameters(model)
-        logger.info("model %s: %d trainable of %d parameters", cfg.model.name_or_path, n_trainable, n_total)
 
         # 2. data: load, clean, tokenize, audit
         data = build_data(
@@ -84,9 +81,23 @@ def main(argv: list[str]) -> None:
             vocab_size=model.get_input_embeddings().num_embeddings,
         )
 
+        # 2a. template tokens the data uses whose base rows are untrained: repaired (or trained) before LoRA freezes
+        # them, since LoRA cannot change an embedding row; then LoRA
+        untrained = handle_untrained_tokens(model, tokenizer, data, cfg.model.untrained_tokens)
+        set_seed(args.seed)  # LoRA's random init must not depend on the process or the run
+        model = apply_lora(
+            model,
+            cfg.lora,
+            args.gradient_checkpointing,
+            quantization=cfg.model.quantization,
+            trainable_tokens=trainable_token_indices(model, untrained),
+        )
+        n_trainable, n_total = count_parameters(model)
+        logger.info("model %s: %d trainable of %d parameters", cfg.model.name_or_path, n_trainable, n_total)
+
         # 2b. preflight doctor (environment, config hazards, dry run with weights restored): refuses on a blocker
         if cfg.doctor:
-            preflight(cfg, args, model=model, tokenizer=tokenizer, data=data)
+            preflight(cfg, args, model=model, tokenizer=tokenizer, data=data, untrained=untrained)
 
         # 3. optimizer groups (layer-wise LR, no-decay groups, LoRA+)
         phases = cfg.stability.guards.phases if cfg.stability.guards.enabled else None
@@ -123,7 +134,7 @@ def main(argv: list[str]) -> None:
         after = evaluate_run(trainer, tokenizer, data, cfg.evaluation, prefix="after")
         before = before.result if before is not None else {}
 
-        # 6. adapter, tokenizer, generation config, state; the reference a merged export is verified against (the
+        # 6. adapter, tokenizer, generation config, repaired base rows, state; the reference a merged export is verified against (the
         # trained model's answer logits and greedy generations on held-out prompts); the merged export when asked
         # (rank 0, the others wait; a failed export is a failed run); plots, model card, summary
         trainer.save_model(args.output_dir)
@@ -131,6 +142,8 @@ def main(argv: list[str]) -> None:
         if is_main_process():
             tokenizer.save_pretrained(args.output_dir)
             save_generation_config(args.output_dir, trainer.model, tokenizer, data.stop_token_ids)
+            if cfg.lora.enabled:  # the repaired base rows the adapter was trained on (a full fine-tune saved them)
+                save_repair(args.output_dir, untrained)
         record_after_training(trainer.model, tokenizer, data, cfg, args.output_dir, base)
         exported = export_after_training(cfg, args.output_dir)
         summary = {
@@ -149,6 +162,8 @@ def main(argv: list[str]) -> None:
                 "after": after.get("exact_match_detail"),
             },
         }
+        if untrained.candidates:
+            summary["untrained_tokens"] = untrained.to_dict()
         if exported is not None:
             summary["export"] = exported
         if is_main_process():

@@ -98,6 +98,17 @@ def test_engine_really_shards(engine, runs):
 
 
 @pytest.mark.parametrize("engine", ALL)
+def test_replica_check_compares_replicated_weights_and_is_off_where_they_are_sharded(engine, runs):
+    for rank in runs[-1].ranks():
+        check = rank["callbacks"]["ReplicaCheck"]
+        if engine == "zero2":  # the model's weights are whole on every rank: checked at train start, and agreed
+            assert check["state"] == {"last_agreed": 0, "checks": 1} and not check["events"]
+        else:  # ZeRO-3 / FSDP2 (the resumed launch): said once, never compared
+            assert [e["kind"] for e in check["events"]] == ["monitor_off"] and check["state"]["checks"] == 0
+            assert "no replicas to compare" in check["events"][0]["message"]
+
+
+@pytest.mark.parametrize("engine", ALL)
 def test_optimizer_groups_reach_the_engine_intact(engine, runs):
     """The Trainer's optimizer under the engine has the recipe's groups (optimizer_groups.json, built on the
     unsharded model as a plain run builds it): names, layer-wise LRs, LoRA+ and weight decay."""

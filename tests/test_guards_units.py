@@ -362,3 +362,12 @@ def test_rollback_evidence_is_a_paired_comparison_over_several_batches():
     assert weights_damaged(60.0, 2.3, Probe(200.0, 11.0), Probe(40.0, 10.8), judge, margin=0.1) is True
     # as bad at the snapshot (a garbage batch reproduces its loss at any weights): data, never a rollback
     assert weights_damaged(12.0, 6.0, Probe(30.0, 14.0), Probe(31.0, 14.2), judge, margin=0.1) is False
+
+
+def test_a_grad_spike_before_the_noise_estimate_exists_is_reported_without_one():
+    # warm (3 accepted steps) but only 3 norms: the ratio rule decides alone; the event still says what it compared
+    skip = SkipGuard()
+    _feed(skip, [2.0, 2.1, 1.9], [1.0, 1.1, 0.9])
+    skip._norms.clear()  # as right after a reference reset
+    verdict = skip.decide(4, skip.local_flags(50.0, 2.0), 50.0, 2.0)
+    assert verdict.reasons == ["grad_spike"] and "grad_z" not in skip.events[-1]["noise"]

@@ -247,6 +247,7 @@ def test_build_monitors_follows_config_and_every_kind_is_documented():
         "MemoryMonitor",
         "ThroughputMonitor",
         "HardwareMonitor",
+        "ReplicaCheck",
     ]
     cfg.update.enabled = False
     cfg.grad.explosion_norm = 123.0
@@ -254,7 +255,8 @@ def test_build_monitors_follows_config_and_every_kind_is_documented():
     assert "UpdateMonitor" not in [type(cb).__name__ for cb in built] and built[0].explosion_norm == 123.0
     cfg.enabled = False
     assert build_monitors(cfg) == []
-    assert {"grad_explosion", "nonfinite_grad", "loss_spike", "memory_leak", "data_stall"} <= set(EVENT_KINDS)
+    documented = {"grad_explosion", "nonfinite_grad", "loss_spike", "memory_leak", "data_stall", "replica_mismatch"}
+    assert documented <= set(EVENT_KINDS)
 
 
 def test_config_from_yaml_overrides_and_validation():

@@ -8,6 +8,7 @@ from hf_stable.callbacks.monitors.hardware_monitor import HardwareMonitor
 from hf_stable.callbacks.monitors.loss_monitor import LossMonitor
 from hf_stable.callbacks.monitors.memory_monitor import MemoryMonitor
 from hf_stable.callbacks.monitors.non_finite_locator import NonFiniteLocator
+from hf_stable.callbacks.monitors.replica_check import ReplicaCheck
 from hf_stable.callbacks.monitors.throughput_monitor import ThroughputMonitor
 from hf_stable.callbacks.monitors.update_monitor import UpdateMonitor
 from hf_stable.callbacks.ordering import order_for_reporting
@@ -21,6 +22,7 @@ __all__ = [
     "MemoryMonitor",
     "NonFiniteLocator",
     "QKClipCallback",
+    "ReplicaCheck",
     "StabilityCallback",
     "ThroughputMonitor",
     "UpdateMonitor",

@@ -76,6 +76,15 @@ class ModelConfig:
         default_factory=QuantizationConfig,
         metadata={"help": "Load the frozen base in 4-bit / 8-bit through bitsandbytes (QLoRA)."},
     )
+    untrained_tokens: Literal["repair", "train", "ignore"] = field(
+        default="train",
+        metadata={
+            "help": "Special tokens the data uses whose embedding / lm_head rows look untrained (zero, constant, "
+            "far below the other rows' norms): 'repair' sets them to the trained rows' mean before LoRA (saved in "
+            "untrained_token_repair.safetensors, applied by hf-stable export); 'train' repairs, then trains them "
+            "(peft trainable_token_indices); 'ignore' only warns."
+        },
+    )
 
     @property
     def is_embedded(self) -> bool:

@@ -147,6 +147,26 @@ class HardwareMonitorConfig:
 
 
 @dataclass
+class ReplicaCheckConfig:
+    """Replica consistency: where every rank holds the whole weights (DDP, ZeRO-1/2), their checksums must agree."""
+
+    enabled: bool = field(
+        default=True,
+        metadata=_h("Compare a checksum of the trainable weights across ranks (at train start, on resume, every N)."),
+    )
+    interval: int = field(
+        default=20,
+        metadata=_h(
+            "Check every N optimizer steps (one pass over the trainable weights and one small all-gather; "
+            "benchmarks/replica_check.py: <= 0.5 % of the steps it covers at the default)."
+        ),
+    )
+
+    def validate(self) -> list[str]:
+        return [f"interval: got {self.interval}, must be >= 1"] if self.interval < 1 else []
+
+
+@dataclass
 class MonitorsConfig:
     """Read-only callbacks (gradient health, loss dynamics, memory, throughput, hardware).
 
@@ -161,6 +181,9 @@ class MonitorsConfig:
     memory: MemoryMonitorConfig = field(default_factory=MemoryMonitorConfig, metadata=_h("Memory."))
     throughput: ThroughputMonitorConfig = field(default_factory=ThroughputMonitorConfig, metadata=_h("Throughput."))
     hardware: HardwareMonitorConfig = field(default_factory=HardwareMonitorConfig, metadata=_h("NVML hardware."))
+    replica_check: ReplicaCheckConfig = field(
+        default_factory=ReplicaCheckConfig, metadata=_h("Weights identical on every data-parallel rank.")
+    )
 
 
 @dataclass

@@ -9,6 +9,9 @@ Monitors and guards never test the engine themselves; they ask the step engine o
 | DeepSpeed ZeRO-1/2 (`DeepSpeedEngine`) | this rank's fragment of each gradient in ZeRO's partitions (`_hp_mapping`) | the engine's own non-finite skip, forced on every rank | ZeRO's fp32 partitions and their state, and the model's weights |
 | DeepSpeed ZeRO-3 (`DeepSpeedEngine`) | this rank's gradient partition (`safe_get_local_grad`) | as ZeRO-1/2 | the fp32 and the weights' partitions, and the state |
 
+`replicated_weights` says whether every rank holds the whole model weights (plain/DDP, ZeRO-1/2) or its own part
+of them (FSDP2, ZeRO-3): only replicas can be compared across ranks (`ReplicaCheck`).
+
 With `sharded` engines every parameter has a local gradient on every rank (an empty tensor where a rank holds none
 of it), so per-tensor vectors line up across ranks and statistics combine by summing squares over ranks
 (`GradStats`). DeepSpeed steps inside `accelerator.backward`; `StableTrainer` runs the callbacks'
@@ -47,6 +50,7 @@ class StepEngine:
     can_rerun = True  # the non-finite locator may re-run a step's micro-batches for fresh gradients
     whole_rows = True  # a local gradient holds whole rows of its parameter (row-wise clipping, AGC)
     forward_is_collective = False  # a forward all-gathers weights: every rank must run the same forwards
+    replicated_weights = True  # every rank holds the whole model weights (they must agree: `ReplicaCheck`)
 
     def __init__(self, model=None):
         self.skip_requested = False
@@ -107,6 +111,7 @@ class FSDP2Engine(StepEngine):
     sharded = True
     can_rerun = False  # a backward outside the Trainer's step would run FSDP's reduce-scatters
     forward_is_collective = True
+    replicated_weights = False  # a rank holds its own Shard(0) rows: nothing to compare across ranks
 
     def local_grads(self, params: list) -> list[torch.Tensor | None]:
         return [None if p.grad is None else (p.grad.to_local() if _is_dtensor(p.grad) else p.grad) for p in params]
@@ -129,6 +134,8 @@ class DeepSpeedEngine(StepEngine):
         self.stage = stage
         self.name = f"deepspeed_zero{stage}"
         self.forward_is_collective = stage == 3
+        # ZeRO-1/2 partition the optimizer's fp32 copy and state; the model's weights stay whole on every rank
+        self.replicated_weights = stage < 3
         self._empty: dict[int, torch.Tensor] = {}  # one empty tensor per parameter without a local fragment
 
     def local_grads(self, params: list) -> list[torch.Tensor | None]:

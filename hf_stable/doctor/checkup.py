@@ -19,6 +19,8 @@ from hf_stable.doctor.memory_estimate import memory_findings
 from hf_stable.doctor.probes import meta_model, meta_model_facts, model_facts
 from hf_stable.doctor.report import render_text, save_report
 from hf_stable.doctor.settings import doctor_settings, resolve_settings
+from hf_stable.doctor.untrained_tokens import CHECK as UNTRAINED_CHECK
+from hf_stable.doctor.untrained_tokens import check_untrained_tokens, untrained_findings
 from hf_stable.errors import HfStableError
 from hf_stable.logging import get_logger, is_main_process, print_main
 
@@ -71,6 +73,7 @@ def run_doctor(
     collator=None,
     settings: DoctorConfig | None = None,
     output_dir=None,
+    untrained=None,
 ) -> DoctorReport:
     """Run every preflight check on a `RunConfig` and return the findings.
 
@@ -85,6 +88,8 @@ def run_doctor(
             user collator to check that it supervises EOS and pads on the right.
         settings: the doctor's thresholds (default: `cfg.doctor_checks` when present, else `DoctorConfig()`).
         output_dir: when given, `doctor_report.json` / `.md` are written there.
+        untrained: the recipe's `UntrainedTokens` (found before LoRA, possibly repaired since); None: the doctor
+            checks the model's rows, or without a model the base's rows read from disk.
 
     Returns:
         A `DoctorReport`; `report.exit_code` is 1 when a blocking (error) finding exists.
@@ -146,6 +151,13 @@ def run_doctor(
                         check="hazards.data_audit",
                     )
                 )
+    try:
+        if untrained is not None:
+            report.add(untrained_findings(untrained, cfg.model.untrained_tokens))
+        else:
+            report.add(check_untrained_tokens(cfg, model=model, base=base, meta=meta, tokenizer=tokenizer, data=data))
+    except Exception as e:
+        report.add(_crash(UNTRAINED_CHECK, "the untrained-token check failed", e))
     try:
         report.add(
             check_hazards(
@@ -217,7 +229,7 @@ def blocking_on_any_rank(report: DoctorReport) -> bool:
     return all_reduce_flag(report.blocking)
 
 
-def preflight(cfg, args, *, model, tokenizer, data, output_dir=None) -> DoctorReport:
+def preflight(cfg, args, *, model, tokenizer, data, output_dir=None, untrained=None) -> DoctorReport:
     """The recipe's one call: run the doctor on the built pieces, print and save the report, refuse to start
     on a blocking finding unless `doctor_checks.allow_blocking` is set.
 
@@ -227,7 +239,13 @@ def preflight(cfg, args, *, model, tokenizer, data, output_dir=None) -> DoctorRe
     doctor = doctor_settings(cfg)
     try:
         report = run_doctor(
-            cfg, args=args, model=model, tokenizer=tokenizer, data=data, output_dir=output_dir or args.output_dir
+            cfg,
+            args=args,
+            model=model,
+            tokenizer=tokenizer,
+            data=data,
+            output_dir=output_dir or args.output_dir,
+            untrained=untrained,
         )
     except BaseException:
         from hf_stable.distributed import all_reduce_flag

@@ -106,11 +106,21 @@ def _qlora_difference(a, b, reference: Path) -> dict:
     return {"mean_abs_logit_diff": d.mean().item(), "max_abs_logit_diff": d.max().item()}
 
 
-def _merge_text(dtype: str, cfg, qlora_base: str | None) -> str:
+def _merge_text(dtype: str, cfg, qlora_base: str | None, run_dir: Path | None = None) -> str:
+    from hf_stable.embeddings import REPAIR_FILE, read_repair
+
     text = (
         "peft `merge_and_unload` in float32 (W + BA computed once), then one cast to "
         f"{dtype}; transformers' default attention and sharding."
     )
+    saved = read_repair(run_dir) if run_dir is not None else None
+    if saved and saved[0].get("tokens"):
+        names = ", ".join(f"`{t}`" for t in saved[0]["tokens"])
+        text += (
+            f" Before the merge, the base rows of {names}, which the run found untrained and set to the mean of the "
+            f"trained rows, were written into the base from the run's `{REPAIR_FILE}` (the adapter does not hold "
+            "them): this checkpoint carries the repair."
+        )
     if qlora_base:
         into = (
             "the dequantized 4-bit weights the adapter was trained against (the base loaded in 4 bits as training "
@@ -186,7 +196,7 @@ def export_run(run_dir, out=None, dtype: str | None = None, qlora_base: str | No
         base_model=cfg.model.name_or_path,
         run_dir=run_dir,
         dtype=dtype,
-        merge_text=_merge_text(dtype, cfg, qlora_base),
+        merge_text=_merge_text(dtype, cfg, qlora_base, run_dir),
         check=check,
         stop_tokens=stops,
     )

@@ -11,6 +11,9 @@ QLoRA: the adapter was trained against the dequantized 4-bit weights, not the 16
 Linear's weight is replaced by its dequantized value (what the layer computed with) before the merge; `original`
 merges into the 16-bit base. The mean and max |Δlogit| between the two merges on the reference prompts are reported
 either way, and `config.json` keeps no `quantization_config`.
+
+Untrained template-token rows the run repaired in the base (`model.untrained_tokens`) are not in the adapter: they
+are written into the base from the run's `untrained_token_repair.safetensors` before the adapter is loaded.
 """
 
 from __future__ import annotations
@@ -105,6 +108,12 @@ def load_merged(run_dir: Path, cfg, base: str, *, dequantized: dict | None = Non
         logger.info(
             "export: merging into the %d dequantized 4-bit weights the adapter trained against", len(dequantized)
         )
+    from hf_stable.embeddings import apply_repair
+
+    # rows the run repaired in the base before training (untrained template tokens) are not in the adapter
+    repaired = apply_repair(model, run_dir)
+    if repaired:
+        logger.info("export: applied the run's repaired base rows of %s before merging", ", ".join(repaired["tokens"]))
     model = PeftModel.from_pretrained(model, str(run_dir))
     return model.merge_and_unload().eval()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from hf_stable.embeddings.repair import REPAIR_FILE
 from hf_stable.resources import embedded_dataset_name, package_file
 
 TEMPLATE = package_file("templates", "model_card.md")  # `model_cards/template.md` in the checkout links to it
@@ -61,11 +62,13 @@ def write_model_card(
     doctor_section: str = "",
     quantization_section: str = "",
     export_section: str = "",
+    tokens_section: str = "",
     tags: list[str] | None = None,
     stop_tokens: list[str] | None = None,
 ) -> Path:
     """Render README.md into `output_dir` and return its path (`stop_tokens`: what the saved generation config stops
-    at, named in the card's Use section; `export_section`: the merged export and its verification, when made)."""
+    at, named in the card's Use section; `export_section`: the merged export and its verification, when made;
+    `tokens_section`: untrained template-token rows repaired or trained, which the Use section must mention)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     data_cfg = config.get("data", {})
@@ -110,6 +113,8 @@ def write_model_card(
         doctor_section=doctor_section,
         quantization_section=quantization_section,
         export_section=export_section,
+        tokens_section=tokens_section,
+        repaired_rows=(Path(output_dir) / REPAIR_FILE).is_file(),
         stop_tokens=", ".join(f"`{t}`" for t in stop_tokens or []),
         config_yaml=yaml.safe_dump(config, sort_keys=False, allow_unicode=True).strip(),
         versions=_versions(),

@@ -35,6 +35,7 @@ def quantization_markdown(cfg) -> str:
 
 def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=None, optimizer_table=None) -> None:
     """Write the generation config, the loss/LR plot, the stability report and the model card into the output dir."""
+    from hf_stable.embeddings import repair_markdown
     from hf_stable.export.card import export_markdown
     from hf_stable.reporting.generation_config import save_generation_config
     from hf_stable.reporting.model_card import write_model_card
@@ -67,5 +68,6 @@ def finalize_outputs(output: OutputDir, cfg, trainer, summary: dict, *, data=Non
         doctor_section=doctor_md.read_text(encoding="utf-8") if doctor_md.is_file() else "",
         quantization_section=quantization_markdown(cfg),
         export_section=export_markdown(summary.get("export")),
+        tokens_section=repair_markdown(summary.get("untrained_tokens")),
         stop_tokens=tokenizer.convert_ids_to_tokens(stops) if tokenizer is not None and stops else None,
     )

@@ -17,6 +17,8 @@ Environment:
                                                probe dir and waits (up to 120 s) until a signal reached its
                                                PreemptionCallback: the test signals the launcher meanwhile, so
                                                the run stops after step N + 1;
+                          "perturb:N:R"        rank R alone adds 1e-3 to one element of its first LoRA weight at
+                                               the end of step N (its replica of the weights then differs);
                           "enospc:N"           the disk fills up when checkpoint-N starts to be written: from
                                                then on every new write under training.output_dir fails with
                                                ENOSPC (a file is created, then its first write fails; only an
@@ -105,8 +107,15 @@ class Probe(TrainerCallback):
         head = model.get_output_embeddings()
         self._hook = head.register_forward_hook(lambda mod, inp, out: self.output_dtypes.append(str(out.dtype)))
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, model=None, **kwargs):
         self.steps.append(state.global_step)
+        if FAULT.startswith("perturb:"):
+            _, step, rank = FAULT.split(":")
+            if state.global_step == int(step) and _rank() == int(rank):
+                name, weight = next((n, p) for n, p in model.named_parameters() if "lora_A" in n)
+                with torch.no_grad():
+                    weight.view(-1)[0] += 1e-3
+                print(f"probe: rank {rank} perturbed {name} at step {step}", file=sys.stderr, flush=True)
         if FAULT.startswith("sigterm:"):
             parts = FAULT.split(":")
             if state.global_step == int(parts[1]) and (len(parts) < 3 or _rank() == int(parts[2])):

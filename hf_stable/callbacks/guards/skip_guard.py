@@ -214,7 +214,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
             and grad_norm > self.grad_spike_ratio * self._norm_ema
         ):
             z = log_z(grad_norm, self._norms)
-            evidence["grad_z"] = z
+            evidence.update({} if z is None else {"grad_z": z})
             grad_spike = self.grad_spike_zscore is None or z is None or z > self.grad_spike_zscore
         loss_spike = False
         if warm and loss is not None and self.loss_spike_zscore is not None and len(self._losses) >= 3:
@@ -353,7 +353,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
             self._skipped_steps.append(step)
             loss_txt = "n/a" if loss is None else f"{loss:.4g}"
             ref = "n/a" if self._norm_ema is None else f"{self._norm_ema:.4g}"
-            evidence = {k: round(v, 4) for k, v in self.last_evidence.items()}
+            evidence = {k: round(v, 4) for k, v in self.last_evidence.items() if v is not None}
             self.event(
                 step,
                 "step_skipped",

@@ -5,6 +5,7 @@ from hf_stable.callbacks.monitors.hardware_monitor import HardwareMonitor
 from hf_stable.callbacks.monitors.loss_monitor import LossMonitor
 from hf_stable.callbacks.monitors.memory_monitor import MemoryMonitor
 from hf_stable.callbacks.monitors.non_finite_locator import NonFiniteLocator
+from hf_stable.callbacks.monitors.replica_check import ReplicaCheck, ReplicaMismatchError
 from hf_stable.callbacks.monitors.throughput_monitor import ThroughputMonitor
 from hf_stable.callbacks.monitors.update_monitor import UpdateMonitor
 
@@ -16,6 +17,8 @@ __all__ = [
     "LossMonitor",
     "MemoryMonitor",
     "NonFiniteLocator",
+    "ReplicaCheck",
+    "ReplicaMismatchError",
     "ThroughputMonitor",
     "UpdateMonitor",
     "build_monitors",

@@ -19,6 +19,7 @@ YAML (every key optional; defaults shown in docs/CONFIG.md):
         nonfinite: {detect_anomaly: true}
         loss: {spike_zscore: 6.0, plateau_window: 200, plateau_early_stop: true}
         update: {every_n_steps: 20}
+        replica_check: {interval: 20}
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hf_stable.callbacks.monitors.hardware_monitor import HardwareMonitor
 from hf_stable.callbacks.monitors.loss_monitor import LossMonitor
 from hf_stable.callbacks.monitors.memory_monitor import MemoryMonitor
 from hf_stable.callbacks.monitors.non_finite_locator import NonFiniteLocator
+from hf_stable.callbacks.monitors.replica_check import ReplicaCheck
 from hf_stable.callbacks.monitors.throughput_monitor import ThroughputMonitor
 from hf_stable.callbacks.monitors.update_monitor import UpdateMonitor
 from hf_stable.core.grad_stats import DeviceGradStats, GradReport, GradStats
@@ -50,6 +52,7 @@ EVENT_KINDS = {
     "oom": "CUDA out-of-memory errors were raised",
     "data_stall": "waiting for data longer than computing (mild / severe)",
     "gpu_hot": "GPU temperature at or above the alert threshold",
+    "replica_mismatch": "the ranks' replicas of the trainable weights differ (ranks, first parameter); the run stops",
     "monitor_off": "a monitor cannot run here (e.g. no gradient to read)",
     "monitor_notice": "a caveat about the numbers (e.g. gradients are post-clip)",
 }
@@ -72,6 +75,7 @@ def build_monitors(cfg) -> list[StabilityCallback]:
         (cfg.memory, MemoryMonitor),
         (cfg.throughput, ThroughputMonitor),
         (cfg.hardware, HardwareMonitor),
+        (cfg.replica_check, ReplicaCheck),
     )
     return [cls(section) for section, cls in sections if section.enabled]
 
@@ -86,6 +90,7 @@ __all__ = [
     "LossMonitor",
     "MemoryMonitor",
     "NonFiniteLocator",
+    "ReplicaCheck",
     "StepTap",
     "ThroughputMonitor",
     "UpdateMonitor",
