@@ -188,3 +188,27 @@ def test_another_base_is_refused_before_merging(run, tmp_path, capsys):
 
     assert main(["export", str(copy)]) == 2
     assert "error: model.name_or_path:" in capsys.readouterr().err
+
+
+def test_tiny_qwen3_with_its_chat_template_exports_and_verifies(tmp_path):
+    # tied embeddings, q/k norms and the base's chat template, whose end of turn is a stop token
+    extra = ["--evaluation.before", "false", "--evaluation.exact_match_samples", "0", "--export.merged", "true"]
+    extra += ["--export.dtype", "bfloat16", "--export.reference_prompts", "8"]
+    proc = run_recipe(tiny_overrides(tmp_path, "qwen3", steps=3) + extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = tmp_path / "out" / "merged"
+    check = _check(out)
+    assert check["passed"] and check["problems"] == [] and check["dtype"] == "bfloat16"
+    assert check["generations_total"] == 8 and check["mean_kl"] < 1e-2
+    from transformers import PreTrainedTokenizerFast
+
+    # the template and the stop tokens the run trained with travel with the weights
+    tok, trained = (PreTrainedTokenizerFast.from_pretrained(d) for d in (out, tmp_path / "out"))
+    assert tok.chat_template and tok.chat_template == trained.chat_template
+    conversation = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(conversation, tokenize=False) == trained.apply_chat_template(
+        conversation, tokenize=False
+    )
+    stops = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert stops == json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"]
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"]
