@@ -27,12 +27,16 @@ def logs_of(xs) -> list[float] | None:
     return [math.log(x) for x in xs] if all(x > 0 for x in xs) else None
 
 
-def log_z(value: float, history) -> float | None:
-    """Robust z-score of log(value) against the log history (None without >= 3 positive values)."""
+def log_z(value: float, history, scale: float | None = None) -> float | None:
+    """(log(value) - the median log of the history) / `scale`, by default the history's robust scale; None without
+    >= 3 positive values. The skip guard passes the step-to-step noise: a trend in the window (the fast descent of
+    a run's first steps) is not noise, and a spread inflated by it would hide a garbage batch."""
     logs = logs_of(history)
     if logs is None or len(logs) < 3 or value <= 0:
         return None
-    return robust_zscore(math.log(value), logs)
+    if not scale:
+        return robust_zscore(math.log(value), logs)
+    return (math.log(value) - median(logs)) / scale
 
 
 def window_noise(losses, norms) -> dict:
@@ -58,8 +62,8 @@ def explain(reasons: list[str], ev: dict, cfg) -> str:
     parts = []
     if "loss_spike" in reasons and "loss_z" in ev:
         parts.append(
-            f"log loss {ev['loss_z']:.3g} robust sd above the median {ev.get('loss_median', math.nan):.4g} "
-            f"(> {cfg.loss_spike_zscore:g}; sd {ev.get('loss_log_scale', math.nan):.3g} over {n} steps)"
+            f"log loss {ev['loss_z']:.3g} sd of the step noise above the median {ev.get('loss_median', math.nan):.4g} "
+            f"(> {cfg.loss_spike_zscore:g}; step noise {ev.get('loss_step_noise', math.nan):.3g} over {n} steps)"
         )
     if "grad_spike" in reasons and "grad_z" in ev:
         parts.append(
@@ -67,7 +71,7 @@ def explain(reasons: list[str], ev: dict, cfg) -> str:
             f"{ev.get('grad_log_scale', math.nan):.3g} over {n} steps)"
         )
     if "loss_rise" in reasons and "rise_log" in ev:
-        sigma, centre = ev.get("rise_sigma"), ev.get("rise_centre", 0.0)
-        noise = f", {(ev['rise_log'] - centre) / sigma:.3g} sd of its noise {sigma:.3g}" if sigma else ""
+        sigma = ev.get("rise_sigma")
+        noise = f", {ev['rise_log'] / sigma:.3g} sd of its noise {sigma:.3g}" if sigma else ""
         parts.append(f"loss trend x{math.exp(ev['rise_log']):.3g} the recent best{noise}")
     return f" - {'; '.join(parts)}" if parts else ""
