@@ -51,8 +51,9 @@ class SkipConfig:
     loss_spike_zscore: float | None = field(
         default=6.0,
         metadata=_h(
-            "Skip when the log of the step loss is this many robust standard deviations (1.4826 MAD of the "
-            "window's log losses: the run's own step-to-step noise) above the window's median ..."
+            "Skip when the log of the step loss is this many standard deviations of the step noise (1.4826 MAD "
+            "of the differences of successive log losses in the window, / sqrt 2: the run's own noise, a trend "
+            "left out) above the window's median log loss ..."
         ),
     )
     loss_spike_min_rel: float = field(
@@ -69,8 +70,8 @@ class SkipConfig:
     loss_rise_zscore: float | None = field(
         default=6.0,
         metadata=_h(
-            "... and that rise (in log) is this many robust standard deviations above its own median over the "
-            "window's accepted steps (its noise on this run). null = the fraction alone."
+            "... and that rise (in log) is this many standard deviations of its noise (the step noise through the "
+            "median of 5 and the smoothed loss). null = the fraction alone."
         ),
     )
     ema_beta: float = field(default=0.95, metadata=_h("EMA decay of the grad-norm reference."))

@@ -10,13 +10,13 @@ Rules: non-finite gradients or loss; gradients that differ between ranks after t
 and three finite rules, each measured against the run's own noise over the last `window` accepted steps, since a
 step averages as many records as the batch holds (at batch 1 one record: hard ones sit at 2-3x the median):
 * grad-norm spike: > `grad_spike_ratio` x its EMA and `grad_spike_zscore` robust sd above the window's median log norm;
-* loss spike: the log loss `loss_spike_zscore` robust sd (1.4826 MAD of the window's log losses) above their median,
-  and `loss_spike_min_rel` above the median loss;
+* loss spike: the log loss `loss_spike_zscore` sd of the step noise (1.4826 MAD of successive log-loss differences
+  / sqrt 2: a trend is not noise) above the window's median, and `loss_spike_min_rel` above the median loss;
 * loss rise (counts towards a rollback): the loss level - the median of the last 5 plausible losses, which one hard
-  batch does not move - `loss_rise_rel` above the window's lowest smoothed loss, and `loss_rise_zscore` robust sd
-  above that statistic's own median over the window (its noise on this run: runs of hard batches included).
-Defaults: 6 sd (OLMo-core's anchor, 6 sigma over 128 steps); the clean batch-1 runs of the embedded recipe peaked at
-4.6 (`benchmarks/specificity.py`). References learn from accepted steps only; a level that persists
+  batch does not move - `loss_rise_rel` above the window's lowest smoothed loss, and `loss_rise_zscore` sd of its
+  noise (the step noise through that median and the smoothed loss).
+Defaults: 6 sd (OLMo-core's anchor, 6 sigma over 128 steps); over the clean grid of `benchmarks/specificity.py`
+(batch 1-16) no step went past 4.9. References learn from accepted steps only; a level that persists
 `max_consecutive_skips` steps becomes the new normal. Every `step_skipped` event carries the statistics compared.
 """
 
