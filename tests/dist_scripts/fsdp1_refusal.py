@@ -20,7 +20,11 @@ from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.config import load_config
 from hf_stable.core.engine import StepEngine
 from hf_stable.errors import ConfigError
-from tests.dist_scripts.guards_common import tiny_lora_llama, training_args
+
+if __package__:  # imported as tests.dist_scripts.fsdp1_refusal
+    from tests.dist_scripts.guards_common import tiny_lora_llama, training_args
+else:  # launched by torchrun: the script's own directory is on sys.path (no PYTHONPATH in CI)
+    from guards_common import tiny_lora_llama, training_args
 
 
 def _refusal(fn) -> str | None:
