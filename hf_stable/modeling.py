@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -91,8 +92,10 @@ def _quantized_load(cfg: RunConfig) -> dict:
     return {"quantization_config": q.bnb_config(), "device_map": {"": device}}
 
 
+@functools.cache
 def _say_missing_cpu_kernel() -> None:
-    """4-bit on CPU is where bitsandbytes' fused kernel would run: say what `hf_stable.logging` kept quiet."""
+    """4-bit on CPU is where bitsandbytes' fused kernel would run: say what `hf_stable.logging` kept quiet (once a
+    process: the export loads the 4-bit base again to merge into it)."""
     import bitsandbytes  # noqa: F401  (its import is what tries the kernel)
 
     from hf_stable.logging import optional_kernels_notice
