@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).parent / "dist_scripts" / "guards_ddp.py"
 def test_nan_on_one_rank_skips_on_both_and_weights_stay_identical(tmp_path):
     torchrun_two_ranks(SCRIPT, str(tmp_path), timeout=200, env={"GUARDS_DDP_TIMEOUT": "150"})
     for out in (tmp_path, tmp_path / "stable"):  # stock Trainer, then StableTrainer (statistics before the edit)
-        _check(out)
+        check_ranks(out)
 
 
 @pytest.mark.distributed
@@ -29,10 +29,10 @@ def test_nan_on_one_rank_at_batch_1_is_still_skipped_on_both(tmp_path):
     # alone and the non-finite ones are skipped on both ranks all the same
     env = {"GUARDS_DDP_TIMEOUT": "150", "GUARDS_DDP_BATCH": "1", "GUARDS_DDP_TRAINERS": "stable"}
     torchrun_two_ranks(SCRIPT, str(tmp_path), timeout=200, env=env)
-    _check(tmp_path / "stable")
+    check_ranks(tmp_path / "stable")
 
 
-def _check(tmp_path):
+def check_ranks(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert ranks[0]["world_size"] == 2
     for r in ranks:
