@@ -1,12 +1,11 @@
-from hf_stable.optim.factory import (
+from hf_stable.optim.factory import build_optimizer, guarded_eps
+from hf_stable.optim.groups import param_groups, resolve_hyperparameters
+from hf_stable.optim.handover import (
     OptimizerFactory,
-    build_optimizer,
     engine_builds_optimizer,
-    guarded_eps,
     trainer_optimizer_arguments,
     trainer_optimizer_factory,
 )
-from hf_stable.optim.groups import param_groups, resolve_hyperparameters
 from hf_stable.optim.phases import PhasedOptimizer, make_optimizer, unwrap_optimizer, wrap_for_phases
 from hf_stable.optim.roles import ROLES, Role, classify, group_parameters, named_parameters_once, num_decoder_layers
 from hf_stable.optim.scaling import rescale_lr
