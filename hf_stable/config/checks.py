@@ -108,7 +108,7 @@ def optimizer_problems(cfg, training: dict, defaults: dict) -> list[str]:
 
 def config_problems(cfg) -> list[str]:
     """Every problem of a typed `RunConfig` that needs nothing but the config and the installed packages."""
-    from hf_stable.config.run import training_defaults
+    from hf_stable.config.training import training_defaults
 
     defaults = training_defaults()
     training = cfg.training

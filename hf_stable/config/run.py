@@ -9,7 +9,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,13 @@ from hf_stable.config.data import DataConfig
 from hf_stable.config.doctor import DoctorConfig
 from hf_stable.config.evaluation import EvaluationConfig
 from hf_stable.config.export import ExportConfig
-from hf_stable.config.loader import build_section, check_size, coerce, parse_overrides, read_yaml, set_dotted
+from hf_stable.config.loader import build_section, check_size, parse_overrides, read_yaml, set_dotted
 from hf_stable.config.loss import TrainingLossConfig
 from hf_stable.config.model import LoraSection, ModelConfig
 from hf_stable.config.optim import OptimConfig
 from hf_stable.config.runtime import RuntimeConfig
 from hf_stable.config.stability import StabilityConfig
+from hf_stable.config.training import check_training, training_defaults  # noqa: F401 - re-exported (doctor)
 from hf_stable.errors import ConfigError
 from hf_stable.resources import package_file
 
@@ -67,49 +67,6 @@ class RunConfig:
         return out
 
 
-def training_defaults() -> dict[str, Any]:
-    """Every TrainingArguments field's default value (what a key missing from `training:` means)."""
-    from transformers import TrainingArguments
-
-    out = {}
-    for f in dataclasses.fields(TrainingArguments):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
-
-
-def _training_field_types() -> dict[str, Any]:
-    from transformers import TrainingArguments
-
-    hints = typing.get_type_hints(TrainingArguments)
-    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(TrainingArguments) if f.init}
-
-
-def _check_training(training: dict, problems: list[str]) -> dict:
-    """Unknown TrainingArguments keys are problems; numbers written as `1e-4` are coerced to float."""
-    types_ = _training_field_types()
-    out = {}
-    for key, value in training.items():
-        if key not in types_:
-            close = [k for k in types_ if key.replace("_", "") in k.replace("_", "")][:3]
-            hint = f" (did you mean {', '.join(close)}?)" if close else " (see transformers.TrainingArguments)"
-            problems.append(f"training.{key}: not a TrainingArguments field{hint}")
-            continue
-        tp = types_[key]
-        if tp in (float, int, bool):
-            sub: list[str] = []
-            coerced = coerce(value, tp, f"training.{key}", sub)
-            if sub and tp is int and isinstance(value, float) and value.is_integer():
-                coerced, sub = int(value), []
-            problems.extend(sub)
-            out[key] = value if sub else coerced
-        else:
-            out[key] = value
-    return out
-
-
 def config_from_dict(data: dict, source: str | None = None) -> RunConfig:
     """Type-check `data` (a recipe mapping) into a `RunConfig`.
 
@@ -122,7 +79,7 @@ def config_from_dict(data: dict, source: str | None = None) -> RunConfig:
     if cfg is not None and not isinstance(cfg, RunConfig):
         cfg = None
     if cfg is not None:
-        cfg.training = _check_training(cfg.training, problems)
+        cfg.training = check_training(cfg.training, problems)
         cfg.source = source
     if problems:
         raise ConfigError(problems, source=source)

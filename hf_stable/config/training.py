@@ -1,0 +1,53 @@
+"""The recipe's `training:` section: keyword arguments of `transformers.TrainingArguments`, checked against its
+fields (unknown keys, numbers written as strings) and completed by its defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from hf_stable.config.loader import coerce
+
+
+def training_defaults() -> dict[str, Any]:
+    """Every TrainingArguments field's default value (what a key missing from `training:` means)."""
+    from transformers import TrainingArguments
+
+    out = {}
+    for f in dataclasses.fields(TrainingArguments):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def _training_field_types() -> dict[str, Any]:
+    from transformers import TrainingArguments
+
+    hints = typing.get_type_hints(TrainingArguments)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+def check_training(training: dict, problems: list[str]) -> dict:
+    """Unknown TrainingArguments keys are problems; numbers written as `1e-4` are coerced to float."""
+    types_ = _training_field_types()
+    out = {}
+    for key, value in training.items():
+        if key not in types_:
+            close = [k for k in types_ if key.replace("_", "") in k.replace("_", "")][:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else " (see transformers.TrainingArguments)"
+            problems.append(f"training.{key}: not a TrainingArguments field{hint}")
+            continue
+        tp = types_[key]
+        if tp in (float, int, bool):
+            sub: list[str] = []
+            coerced = coerce(value, tp, f"training.{key}", sub)
+            if sub and tp is int and isinstance(value, float) and value.is_integer():
+                coerced, sub = int(value), []
+            problems.extend(sub)
+            out[key] = value if sub else coerced
+        else:
+            out[key] = value
+    return out
