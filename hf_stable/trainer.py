@@ -45,13 +45,13 @@ from transformers.trainer_utils import has_length
 
 from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
 from hf_stable.callbacks.ordering import order_for_reporting
+from hf_stable.callbacks.spike_forensics import wrap_train_sampler
 from hf_stable.compat import foreach_mul_, has_mixed_mesh_grads
 from hf_stable.config.loss import TrainingLossConfig
 from hf_stable.core.engine import DeepSpeedEngine, StepEngine, refuse_fsdp1
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.step_tap import RECORD_IDS_KEY, StepTap
 from hf_stable.data.epochs import EpochStreamSampler
-from hf_stable.forensics.quarantine import wrap_train_sampler
 from hf_stable.loss import chunked_training_forward
 
 
@@ -217,7 +217,7 @@ class StableTrainer(Trainer):
 
     def _get_train_sampler(self, train_dataset=None):
         """The planned epoch stream when the accumulation changes (else the Trainer's sampler), minus quarantined
-        records from the position they were named at (`forensics.quarantine.wrap_train_sampler`)."""
+        records from the position they were named at (`callbacks.spike_forensics.wrap_train_sampler`)."""
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         sampler = self._planned_sampler(dataset)
         if sampler is None:

@@ -47,7 +47,7 @@ from hf_stable.forensics.attribution import (
 )
 from hf_stable.forensics.config import ForensicsConfig
 from hf_stable.forensics.epoch_verdicts import EpochVerdicts
-from hf_stable.forensics.quarantine import Entry, Quarantine
+from hf_stable.forensics.quarantine import Entry, Quarantine, QuarantineSampler
 from hf_stable.forensics.screened_forwards import ScreenedForwards
 
 __all__ = ["FORENSICS_EVENT_KINDS", "ForensicsConfig", "SpikeForensics", "build_forensics"]
@@ -309,3 +309,19 @@ def build_forensics(data_cfg, records, callbacks) -> list:
     if cfg.quarantine == "off":
         return []
     return [SpikeForensics(cfg, records).attach(callbacks)]
+
+
+def wrap_train_sampler(trainer, sampler, dataset):
+    """`sampler` wrapped in a `QuarantineSampler` when the trainer has an enabled ``auto`` `SpikeForensics` and the
+    dataset carries ``record_id``; else `sampler` unchanged. Called from `StableTrainer._get_train_sampler`."""
+    forensics = next(
+        (cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SpikeForensics) and cb.enabled), None
+    )
+    if forensics is None or sampler is None or forensics.cfg.quarantine != "auto":
+        return sampler
+    if "record_id" not in (getattr(dataset, "column_names", None) or []):
+        return sampler
+    args = trainer.args
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    forensics.sampler = QuarantineSampler(sampler, forensics.quarantine, dataset["record_id"], seed=seed)
+    return forensics.sampler

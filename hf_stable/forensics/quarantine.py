@@ -8,10 +8,10 @@ a filter that only applies from the position the sampler had reached when the cu
 the sequence the uninterrupted run yielded, so kill -9 + resume stays bitwise equal. From the next epoch on the
 record is simply left out.
 
-`QuarantineSampler` wraps the Trainer's train sampler (one line in `StableTrainer._get_train_sampler`). The
-permutation itself must not depend on the global RNG (a resume restores it at another point): a plain
-`RandomSampler` is replaced by a seeded one (seed + epoch), as accelerate's `SeedableRandomSampler` does for a
-sampler it can see (it cannot see through the wrapper).
+`QuarantineSampler` wraps the Trainer's train sampler (`callbacks.spike_forensics.wrap_train_sampler`, one line in
+`StableTrainer._get_train_sampler`). The permutation itself must not depend on the global RNG (a resume restores
+it at another point): a plain `RandomSampler` is replaced by a seeded one (seed + epoch), as accelerate's
+`SeedableRandomSampler` does for a sampler it can see (it cannot see through the wrapper).
 """
 
 from __future__ import annotations
@@ -161,21 +161,3 @@ class QuarantineSampler(Sampler):
         # The base length: the Trainer plans epochs from it before a resumed quarantine is loaded, so it must not
         # change with the quarantine (an epoch that yields fewer indices simply ends a little early).
         return len(self.base)
-
-
-def wrap_train_sampler(trainer, sampler, dataset):
-    """`sampler` wrapped in a `QuarantineSampler` when the trainer has an enabled ``auto`` `SpikeForensics` and the
-    dataset carries ``record_id``; else `sampler` unchanged. Called from `StableTrainer._get_train_sampler`."""
-    from hf_stable.callbacks.spike_forensics import SpikeForensics
-
-    forensics = next(
-        (cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SpikeForensics) and cb.enabled), None
-    )
-    if forensics is None or sampler is None or forensics.cfg.quarantine != "auto":
-        return sampler
-    if "record_id" not in (getattr(dataset, "column_names", None) or []):
-        return sampler
-    args = trainer.args
-    seed = args.data_seed if args.data_seed is not None else args.seed
-    forensics.sampler = QuarantineSampler(sampler, forensics.quarantine, dataset["record_id"], seed=seed)
-    return forensics.sampler
