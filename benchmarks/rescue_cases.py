@@ -26,6 +26,7 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
+from transformers import TrainingArguments
 
 VOCAB, LENGTH, BATCH = 128, 32, 8
 LONG = 256  # tokens of the extreme-length sample (the batch's other rows are padded to it)
@@ -138,10 +139,30 @@ def eval_rows() -> list[dict]:
     return rows(markov_ids(128, seed=999, remap=0.5))
 
 
+# --- training -------------------------------------------------------------------------------------------------
+def training_args(out: str, **kw) -> TrainingArguments:
+    """The Trainer settings every run shares: the bases' pretraining here and each arm's run (`rescue_harness`)."""
+    base = {
+        "output_dir": out,
+        "per_device_train_batch_size": BATCH,
+        "per_device_eval_batch_size": 64,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "logging_steps": 10**6,
+        "dataloader_num_workers": 0,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 5,
+        "ddp_find_unused_parameters": False,
+    }
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
 # --- bases -----------------------------------------------------------------------------------------------------
 def pretrain_base(name: str, steps: int = 250):
     """A base trained on language A (full fine-tune), the same for every arm and seed."""
-    from rescue_harness import training_args
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer
 
     spec = BASES[name]

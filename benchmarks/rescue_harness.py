@@ -25,8 +25,8 @@ import time
 
 import peers
 import torch
-from rescue_cases import BATCH, CLEAN_LR, Case, Faults, emulate_fp16, eval_rows, markov_ids, train_rows
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from rescue_cases import BATCH, CLEAN_LR, Case, Faults, emulate_fp16, eval_rows, markov_ids, train_rows, training_args
+from transformers import Trainer, TrainerCallback
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEERS = ("plain", "olmo_skip", "titan_megatron", "zclip", "spam", "axolotl_watchdog")
@@ -40,25 +40,6 @@ OPT_IN = {  # the cases each opt-in arm runs on (where its mechanism is meant to
 QK_TAU = 20.0  # the deep base's max attention logit starts near 8; 20 = "2.5x the healthy level"
 CHECKPOINT_EVERY = 25
 LOGIT_EVERY = 10
-
-
-def training_args(out: str, **kw) -> TrainingArguments:
-    base = {
-        "output_dir": out,
-        "per_device_train_batch_size": BATCH,
-        "per_device_eval_batch_size": 64,
-        "report_to": [],
-        "use_cpu": True,
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "logging_steps": 10**6,
-        "dataloader_num_workers": 0,
-        "lr_scheduler_type": "cosine",
-        "warmup_steps": 5,
-        "ddp_find_unused_parameters": False,
-    }
-    base.update(kw)
-    return TrainingArguments(**base)
 
 
 def runs_on(arm: str, case: Case) -> bool:
