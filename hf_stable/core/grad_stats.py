@@ -10,7 +10,8 @@ is packed into one tensor and read with a single `.tolist()`.
   callback, a fault) is recomputed and guards judge what the optimizer applies. Our own clips run inside
   `edited()` and keep the pre-clip numbers. Not seen: writes through `p.grad.data`.
 * Ranks: each rank's vector is gathered in the same transfer (one collective per step label) and the report holds
-  the worst rank's value of each statistic, identical on every rank; `rank_norms` keeps each rank's global norm.
+  the worst rank's value of each statistic, identical on every rank; `rank_norms` keeps each rank's global norm
+  (`grad_rows`).
 * When: `on_pre_optimizer_step` with `step=state.global_step` (gradients accumulated, all-reduced, unscaled; with
   `max_grad_norm > 0` also clipped by the stock Trainer, whose inf-clip turns every gradient NaN on a non-finite
   norm - `StableTrainer` avoids both).
@@ -28,12 +29,8 @@ import torch
 
 from hf_stable.compat import foreach_norm, tensor_version
 from hf_stable.core.engine import StepEngine
-from hf_stable.core.grad_combine import best_rank as _best_rank
-from hf_stable.core.grad_combine import fill_max_abs, sharded_report
-from hf_stable.core.grad_combine import param_name as _name
-from hf_stable.core.grad_combine import worst as _worst
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
-from hf_stable.distributed import all_gather_tensor, rank
+from hf_stable.core.grad_rows import GradRows
 from hf_stable.optim.roles import group_parameters
 
 __all__ = ["DeviceGradStats", "GradReport", "GradStats"]
@@ -60,7 +57,7 @@ def _device_runs(devices: list) -> list[tuple[int, int]]:
     return runs
 
 
-class GradStats:
+class GradStats(GradRows):
     """Per-group gradient statistics with one device→host transfer per step, shared by monitors and guards.
 
     Args:
@@ -294,15 +291,6 @@ class GradStats:
         self._dev_key = self._key(step)
         return self._dev
 
-    # --- host report -----------------------------------------------------------------------------
-    def _extras(self, device) -> tuple[list[str], list[torch.Tensor]]:
-        keys, vals = [], []
-        for fn in self._sources.values():
-            for k, v in (fn() or {}).items():
-                keys.append(k)
-                vals.append(v.detach().to(device=device, dtype=torch.float32).reshape(1))
-        return keys, vals
-
     def _param_max_abs(self, dev: DeviceGradStats) -> torch.Tensor | None:
         """Per-tensor max |g| (computed once per step, on request); None when gradients were dropped since
         (a guard skipped the step by setting `p.grad = None`)."""
@@ -324,105 +312,7 @@ class GradStats:
                 dev.param_max_abs = dev.param_max_abs / dev.scale.to(home)
         return dev.param_max_abs
 
-    @staticmethod
-    def _best(values: torch.Tensor) -> list[torch.Tensor]:
-        """Largest finite value and its index (value -1 when none is finite), as two 1-element tensors."""
-        best = torch.max(torch.where(torch.isfinite(values), values, -1.0), dim=0)
-        return [best.values.reshape(1), best.indices.to(torch.float32).reshape(1)]
-
-    # Layout of one rank's vector: group norms [G], non-finite counts [G], then _TAIL named slots, then the extras.
-    _TAIL = ("global", "top_norm", "top_arg", "available", "has_max", "max_abs", "max_arg")
-
-    def _slot(self, name: str) -> int:
-        return 2 * len(self._group_names) + self._TAIL.index(name)
-
-    @staticmethod
-    def _max_part(dev: DeviceGradStats | None, per_tensor: torch.Tensor | None, device) -> torch.Tensor:
-        """[has_max, max |g|, its index] of this rank (has_max 0 when the gradients were dropped)."""
-        if dev is None or per_tensor is None:
-            return torch.tensor([0.0, -1.0, 0.0], device=device)
-        return torch.cat([torch.ones(1, device=device), *GradStats._best(per_tensor)])
-
-    def _local_vector(self, dev: DeviceGradStats | None, max_abs: bool, reuse_extras: bool = False):
-        """(extras keys, this rank's vector); `reuse_extras` takes this rank's extras from the step's gathered row (the
-        loss does not change when a gradient is edited, and its sources are read once per step)."""
-        entries = self._ensure_entries()
-        n_groups = len(self._group_names)
-        device = dev.global_norm.device if dev is not None else next((p.device for _, p, _ in entries), "cpu")
-        if dev is None:
-            head = torch.zeros(2 * n_groups + 4, device=device)
-            head[2 * n_groups + 1] = -1.0  # no finite top norm
-        else:
-            head = torch.cat(
-                [
-                    dev.group_norms,
-                    dev.nonfinite,
-                    dev.global_norm.reshape(1),
-                    *self._best(dev.param_norms),
-                    torch.ones(1, device=device),
-                ]
-            )
-        per_tensor = self._param_max_abs(dev) if (max_abs and dev is not None) else None
-        if reuse_extras:
-            first = 2 * n_groups + len(self._TAIL)
-            saved = self._agreed_rows[rank()][first : first + len(self._agreed_keys)]
-            keys, extras = self._agreed_keys, [torch.tensor(saved, device=device)]
-        else:
-            keys, extras = self._extras(device)
-        parts = [head, self._max_part(dev, per_tensor, device), *extras]
-        if self.engine.sharded:  # each rank holds part of every tensor: its squared norms, summed over ranks
-            parts.append(self._tensor_squares(dev, len(entries), device))
-        return keys, torch.cat(parts)
-
-    def _tensor_squares(self, dev: DeviceGradStats | None, n: int, device) -> torch.Tensor:
-        """This rank's squared norm of every statistics tensor, in entry order (0 where it has no gradient)."""
-        out = torch.zeros(n, device=device)
-        if dev is None:
-            return out
-        if len(dev.names) == n:
-            return dev.param_norms.to(device).square()
-        at = {name: i for i, name in enumerate(self._entry_names())}
-        index = torch.tensor([at[name] for name in dev.names], dtype=torch.long, device=device)
-        return out.index_copy_(0, index, dev.param_norms.to(device).square())
-
-    def _entry_names(self) -> list[str]:
-        return [name for name, _, _ in self._ensure_entries()]
-
-    def _needs_gather(self, step, max_abs: bool) -> bool:
-        """Whether this call enters the collective - decided only from rank-agreed state (the step label and what
-        earlier calls of this step gathered), never from this rank's gradient cache."""
-        if step is None or self._agreed_step != step or self._agreed_rows is None:
-            return True
-        available = all(row[self._slot("available")] > 0.5 for row in self._agreed_rows)
-        return max_abs and available and not self._agreed_max
-
-    def _gather(self, dev: DeviceGradStats | None, step, max_abs: bool) -> None:
-        """The step's collective: every rank's vector (or, later in the step, only its max |g| slots)."""
-        if step is not None and self._agreed_step == step and self._agreed_rows is not None:
-            # the step's report exists; add the exact max |g| (one more transfer and collective)
-            device = dev.global_norm.device if dev is not None else torch.device("cpu")
-            part = self._max_part(dev, self._param_max_abs(dev) if dev is not None else None, device)
-            start = self._slot("has_max")
-            for row, values in zip(self._agreed_rows, all_gather_tensor(part).tolist(), strict=False):
-                row[start : start + 3] = values
-        else:
-            keys, vector = self._local_vector(dev, max_abs)
-            self._agreed_rows = all_gather_tensor(vector).tolist()  # the single device→host transfer
-            self._agreed_keys, self._agreed_step, self._agreed_dev_key = keys, step, self._dev_key
-        self._agreed_max = max_abs
-
-    def _refresh_own_row(self, dev: DeviceGradStats | None, step) -> bool:
-        """This rank's gradients were edited since the step's rows were gathered (a callback between two of ours, a
-        fault): replace this rank's row with the fresh numbers, without a collective. Its report then differs from
-        the other ranks' (the edit makes this rank's gradients differ: `ranks_differ`), and the skip guard's agreed
-        flags carry the verdict to every rank. Returns whether the row changed."""
-        if self._agreed_step != step or self._agreed_rows is None or self._agreed_dev_key is self._dev_key:
-            return False
-        _, vector = self._local_vector(dev, self._agreed_max, reuse_extras=True)
-        self._agreed_rows[rank()] = vector.tolist()
-        self._agreed_dev_key = self._dev_key
-        return True
-
+    # --- host report (the per-rank rows, their gather and combination: `grad_rows.GradRows`) -------------------
     def compute(
         self, model: torch.nn.Module | None = None, step: int | None = None, max_abs: bool = False
     ) -> GradReport:
@@ -448,59 +338,6 @@ class GradStats:
             return self._host
         self._host, self._host_key = report, self._dev_key
         return report
-
-    def _report(self, dev: DeviceGradStats | None, step) -> GradReport:
-        """The report from the gathered rows: sums of the extras, the worst rank of every statistic (sharded
-        engines: the sums of the ranks' parts)."""
-        if self.engine.sharded:
-            return self._sharded_report(dev, step)
-        rows, n_groups = self._agreed_rows, len(self._group_names)
-        col = {name: self._slot(name) for name in self._TAIL}
-        first = 2 * n_groups + len(self._TAIL)
-        extras = {k: sum(row[first + j] for row in rows) for j, k in enumerate(self._agreed_keys)}
-        rank_norms = [row[col["global"]] for row in rows]
-        missing = [r for r, row in enumerate(rows) if row[col["available"]] < 0.5]
-        if dev is None or missing:  # (this rank is among `missing` when dev is None)
-            everywhere = len(missing) == len(rows)  # then every rank gives the same local reason
-            reason = self._unavailable_reason() if everywhere else f"rank {missing[0]} has no gradient to read"
-            return GradReport(step=step, available=False, reason=reason, extras=extras, rank_norms=rank_norms)
-        present = sorted(set(dev.group_ids))
-        top_norm, top_arg = _best_rank([(row[col["top_norm"]], row[col["top_arg"]]) for row in rows])
-        report = GradReport(
-            step=step,
-            available=True,
-            global_norm=_worst(rank_norms),
-            group_norms={dev.groups[g]: _worst([row[g] for row in rows]) for g in present},
-            nonfinite={dev.groups[g]: int(max(row[n_groups + g] for row in rows)) for g in present},
-            max_param_norm=top_norm if top_norm >= 0 else math.nan,
-            max_norm_param=_name(dev, top_arg) if top_norm >= 0 else None,
-            n_tensors=len(dev.names),
-            extras=extras,
-            rank_norms=rank_norms,
-        )
-        if self._agreed_max:
-            fill_max_abs(report, rows, col, dev)
-        return report
-
-    def _sharded_report(self, dev: DeviceGradStats | None, step) -> GradReport:
-        """The report when every rank holds a part of each gradient (`grad_combine.sharded_report`)."""
-        col = {name: self._slot(name) for name in self._TAIL}
-        return sharded_report(
-            self._agreed_rows,
-            col,
-            self._group_names,
-            self._agreed_keys,
-            self._entry_names(),
-            sorted({gi for _, _, gi in self._ensure_entries()}),
-            dev,
-            step,
-            self._agreed_max,
-            self._unavailable_reason,
-        )
-
-    def _unavailable_reason(self) -> str:
-        _, grads, _ = self._present()
-        return "sharded (DTensor) gradients are not read" if grads else "no parameter has a .grad"
 
 
 def begin_step(model: torch.nn.Module | None) -> None:
