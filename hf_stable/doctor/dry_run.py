@@ -31,8 +31,9 @@ from hf_stable.distributed import launch_world_size
 from hf_stable.doctor.findings import Finding
 from hf_stable.doctor.gradients import GradientReader, check_trainable, gradient_findings, group_statistics
 from hf_stable.doctor.memory import probe_memory
+from hf_stable.doctor.restore_point import RestorePoint, is_checkpointing
 from hf_stable.doctor.settings import TrainingSettings
-from hf_stable.optim.roles import group_parameters, named_parameters_once
+from hf_stable.optim.roles import group_parameters
 from hf_stable.precision import training_autocast
 
 
@@ -94,49 +95,6 @@ def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def is_checkpointing(model) -> bool:
-    """transformers 5 renamed gradient checkpointing to activation checkpointing; read whichever exists."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        try:
-            return bool(getattr(model, name))
-        except AttributeError:
-            continue
-    return False
-
-
-def _call(model, *names: str) -> None:
-    for name in names:
-        if hasattr(model, name):
-            getattr(model, name)()
-            return
-
-
-class _Snapshot:
-    """Everything the dry run changes, saved to be put back exactly."""
-
-    def __init__(self, model):
-        self.model = model
-        self.params = [(p, p.detach().to("cpu", copy=True)) for _, p in named_parameters_once(model)]
-        self.grads = {id(p): p.grad for p in model.parameters()}
-        self.training = model.training
-        self.checkpointing = is_checkpointing(model)
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for p, saved in self.params:
-                p.copy_(saved.to(p.device))
-        for p in self.model.parameters():
-            p.grad = self.grads.get(id(p))
-        if not self.checkpointing and is_checkpointing(self.model):
-            _call(self.model, "activation_checkpointing_disable", "gradient_checkpointing_disable")
-        self.model.train(self.training)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-
 def dry_run(model, data, cfg, s: TrainingSettings, doctor: DoctorConfig) -> tuple[dict, list[Finding]]:
     """Run `doctor.dry_run_steps` optimizer steps on `data.train_dataset` and restore the model.
 
@@ -152,7 +110,7 @@ def dry_run(model, data, cfg, s: TrainingSettings, doctor: DoctorConfig) -> tupl
     findings = check_trainable(model, cfg.lora.enabled)
     if any(f.check == "dry_run.trainable" for f in findings):
         return {}, findings
-    snap = _Snapshot(model)
+    snap = RestorePoint(model)
     try:
         return _run(model, data, cfg, s, doctor, findings)
     finally:
