@@ -1,9 +1,12 @@
-"""The package layout holds (issue 15): read statically from the source, no imports.
+"""The package layout holds (issues 15 and 34): read statically from the source, no imports.
 
 * whichever module is imported first, no `from X import name` meets X half-initialised (an import cycle);
 * the machinery the callbacks sit on (`core/`, `optim/`, `config/`, `checkpoints.py`, `outputs.py`,
   `reporting/`, `doctor/`, `trainer.py` apart from the ordering helper) never imports `hf_stable.callbacks`, not
   even inside a function;
+* no module of hf_stable/, scripts/ or benchmarks/ is over the house style's ~400 lines (`MAX_LINES`);
+* no circle of imports, of any length, among hf_stable/'s modules or among benchmarks/' - counting imports inside
+  functions and under `if TYPE_CHECKING:` (a circle means two files are one idea, or one is in the wrong place);
 * `callbacks/` holds callbacks: every module there but the base, the builders and the ordering helper defines
   the class it is named after (`snr_guard.py` -> `SNRGuard`).
 """
@@ -160,3 +163,166 @@ def test_each_callback_file_is_named_after_its_class():
         if p.stem not in {_snake(c) for c in classes}:
             wrong.append(f"{p.relative_to(PKG)} defines {classes}")
     assert len(files) > 20 and not wrong, "\n".join(wrong)
+
+
+# --- Issue 34: module size and the import graph, counting every import ---------------------------------------------
+
+MAX_LINES = 400  # the house style's "files stay under ~400 lines"
+ROOT = PKG.parent
+
+
+def test_no_module_is_over_the_line_limit():
+    files = [p for d in ("hf_stable", "scripts", "benchmarks") for p in sorted((ROOT / d).rglob("*.py"))]
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert len(files) > 150, f"only {len(files)} files found under {ROOT}"
+    assert not long, f"over {MAX_LINES} lines (split by concept):\n" + "\n".join(long)
+
+
+def _graph(modules: dict[str, Path], package: str | None) -> dict[str, set[str]]:
+    """Edges module -> module for every import statement anywhere in a file: at the top, inside functions and
+    inside `if TYPE_CHECKING:` blocks alike. A function-level import still means one file needs the other (the
+    issue counts them), and a type-only import still means one file's idea is spelled in the other's terms, so a
+    circle through either is a circle of ideas even when Python would never meet it half-initialised.
+
+    `from a.b import name` is an edge to a/b/name.py when that is a module, else to a/b (its file or its
+    `__init__.py`); importing a.b.c is not also an edge to a/__init__.py and a/b/__init__.py, so a package
+    `__init__` that re-exports its submodules does not close a false circle with every submodule that imports a
+    sibling. `package` is the dotted prefix for relative imports (None: the modules import each other by bare name,
+    as benchmarks/ does from its own folder)."""
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        pkg = pkg.rpartition(".")[0]
+                    base = ".".join(x for x in (pkg, base) if x)
+                for a in node.names:
+                    sub = f"{base}.{a.name}" if base else a.name
+                    targets.append(sub if sub in modules else base)
+            for t in targets:
+                if package is None and t.startswith("benchmarks."):
+                    t = t.removeprefix("benchmarks.")
+                if (hit := resolve(t)) is not None and hit != mod:
+                    out.add(hit)
+        edges[mod] = out
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected component of more than one module (Tarjan), as one circle through it: every circle
+    of any length lies inside one of them."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    comps: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+
+    circles = []
+    for comp in comps:  # a shortest way back to the component's first module, named in the message
+        start, inside = comp[0], set(comp)
+        prev: dict[str, str] = {}
+        queue, found = [start], None
+        while queue and found is None:
+            v = queue.pop(0)
+            for w in sorted(edges[v] & inside):
+                if w == start:
+                    found = v
+                    break
+                if w not in prev:
+                    prev[w] = v
+                    queue.append(w)
+        path = [found]
+        while path[-1] != start:
+            path.append(prev[path[-1]])
+        circles.append([*reversed(path), start] + ([] if len(comp) == len(path) else [f"(all of: {', '.join(comp)})"]))
+    return circles
+
+
+def _show(circles: list[list[str]], to_file) -> str:
+    lines = []
+    for circle in circles:
+        path = [to_file(m) for m in circle if not m.startswith("(")]
+        lines.append(" -> ".join(path) + "".join(f" {m}" for m in circle if m.startswith("(")))
+    return "\n".join(lines)
+
+
+def test_the_circle_finder_counts_every_kind_of_import(tmp_path):
+    """The checker itself: a three-file circle closed by an import inside a function (one of them relative), one
+    closed only under `if TYPE_CHECKING:`, and a package `__init__` that re-exports its submodules (no circle)."""
+    files = {
+        "pkg/__init__.py": "from pkg.a import A\nfrom pkg.b import B\n",
+        "pkg/a.py": "from pkg.b import B\nA = 1\n",
+        "pkg/b.py": "B = 2\ndef f():\n    from .c import C\n",
+        "pkg/c.py": "import pkg.a\nC = 3\n",
+        "pkg/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import e\nfrom pkg import A\n",
+        "pkg/e.py": "from pkg.d import *\n",
+        "pkg/f.py": "from pkg import a, b\n",  # submodules: edges to a.py and b.py, not to __init__.py
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    mods = {}
+    for p in (tmp_path / "pkg").glob("*.py"):
+        mods["pkg" if p.stem == "__init__" else f"pkg.{p.stem}"] = p
+    edges = _graph(mods, "pkg")
+    assert edges["pkg.f"] == {"pkg.a", "pkg.b"} and edges["pkg.d"] == {"pkg.e", "pkg"}
+    circles = _cycles(edges)
+    assert [c[:-1] if c[-1].startswith("(") else c for c in circles] == [
+        ["pkg.a", "pkg.b", "pkg.c", "pkg.a"],
+        ["pkg.d", "pkg.e", "pkg.d"],
+    ], circles
+    assert _show(circles[:1], lambda m: m.replace(".", "/") + ".py") == "pkg/a.py -> pkg/b.py -> pkg/c.py -> pkg/a.py"
+
+
+def test_no_import_circle_in_the_package():
+    mods = _modules()
+    edges = _graph(mods, "hf_stable")
+    assert "hf_stable.optim.factory" in edges["hf_stable.config.checks"]  # imports inside functions are read
+    circles = _cycles(edges)
+    assert not circles, "import circles:\n" + _show(circles, lambda m: str(mods[m].relative_to(ROOT)))
+
+
+def test_no_import_circle_in_the_benchmarks():
+    mods = {p.stem: p for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__"}
+    edges = _graph(mods, None)
+    assert len(mods) > 10 and "rescue_cases" in edges["rescue_harness"]  # bare-name imports are read
+    circles = _cycles(edges)
+    assert not circles, "import circles:\n" + _show(circles, lambda m: f"benchmarks/{m}.py")
