@@ -84,6 +84,34 @@ def test_loss_and_gradients_equal_the_models_forward(kind, layout):
         _assert_same(_loss_and_grads(model, {**batch, **kw}, False), _loss_and_grads(model, {**batch, **kw}, True))
 
 
+@pytest.fixture(scope="module")
+def qlora_base(tmp_path_factory):
+    pytest.importorskip("bitsandbytes")
+    from tests.qlora_helpers import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("qbase"))
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_qlora_loss_and_gradients_equal_the_models_forward(qlora_base, layout):
+    """A 4-bit NF4 base (bitsandbytes on CPU, fp32 compute) with LoRA, prepared for k-bit training and with
+    non-reentrant gradient checkpointing as the QLoRA recipes run it; its fp32 lm_head is left unquantized."""
+    from bitsandbytes.nn import Linear4bit
+
+    from tests.dist_scripts.guards_common import VOCAB
+    from tests.qlora_helpers import quantized_lora_llama
+
+    model = quantized_lora_llama(qlora_base, gradient_checkpointing=True).train()
+    assert sum(isinstance(m, Linear4bit) for m in model.modules()) == 14  # 7 projections x 2 layers, quantized
+    assert model.get_base_model().is_gradient_checkpointing
+    batch = _batch(layout)
+    batch["input_ids"] = batch["input_ids"] % VOCAB
+    batch["labels"] = torch.where(batch["labels"] == -100, -100, batch["labels"] % VOCAB)
+    for items in (None, torch.tensor(40)):
+        kw = {} if items is None else {"num_items_in_batch": items}
+        _assert_same(_loss_and_grads(model, {**batch, **kw}, False), _loss_and_grads(model, {**batch, **kw}, True))
+
+
 @pytest.mark.parametrize("kind", ["llama_lora_head", "gemma2_softcap"])
 def test_bf16_autocast_matches_the_models_forward_to_bf16_precision(kind):
     """The backward recomputes the head under the forward's autocast (a bf16 head, float32 loss)."""

@@ -51,6 +51,9 @@ class StepEngine:
     whole_rows = True  # a local gradient holds whole rows of its parameter (row-wise clipping, AGC)
     forward_is_collective = False  # a forward all-gathers weights: every rank must run the same forwards
     replicated_weights = True  # every rank holds the whole model weights (they must agree: `ReplicaCheck`)
+    # a trainable parameter can be an autograd function's input outside its module's forward (ZeRO-3: there it is an
+    # empty partition, and its gradient would not match it)
+    params_outside_forward = True
 
     def __init__(self, model=None):
         self.skip_requested = False
@@ -136,6 +139,7 @@ class DeepSpeedEngine(StepEngine):
         self.forward_is_collective = stage == 3
         # ZeRO-1/2 partition the optimizer's fp32 copy and state; the model's weights stay whole on every rank
         self.replicated_weights = stage < 3
+        self.params_outside_forward = stage < 3
         self._empty: dict[int, torch.Tensor] = {}  # one empty tensor per parameter without a local fragment
 
     def local_grads(self, params: list) -> list[torch.Tensor | None]:
