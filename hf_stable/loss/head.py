@@ -162,7 +162,7 @@ def chunked_training_forward(
 
     engine = StepEngine.of(model)
     if not engine.params_outside_forward and any(p.requires_grad for p in inner.get_output_embeddings().parameters()):
-        yield None  # ZeRO-3 and a trainable head (LoRA / modules_to_save on lm_head): the chunks cannot take its params
+        yield None  # ZeRO-3 / FSDP2 and a trainable head (LoRA / modules_to_save on lm_head): see `StepEngine`
         return
     run = ChunkedRun(
         cfg.chunk_size, cfg.z_loss, _softcap(inner), row_fns, collective_head=engine.forward_is_collective

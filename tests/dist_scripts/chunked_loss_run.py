@@ -4,8 +4,8 @@ and the same batches.
 
 Launched by tests/test_chunked_loss_engines.py as `torchrun --nproc_per_node 2 chunked_loss_run.py ENGINE OUT`. Two
 `StableTrainer`s of one step each (``training_loss.chunked`` false, then true) on two copies of a tiny Llama built
-from the same seed, with LoRA on the attention / MLP projections and, under ZeRO-2 and FSDP2, on lm_head (its
-trainable factors then take the chunked path's own gradient route, returned by its autograd function; under ZeRO-3 a
+from the same seed, with LoRA on the attention / MLP projections and, under ZeRO-2, on lm_head (its trainable
+factors then take the chunked path's own gradient route, returned by its autograd function; under ZeRO-3 and FSDP2 a
 trainable head keeps the model's forward). Padded rows of different lengths with masked prompts; a different batch
 on each rank. ZeRO-3 partitions every parameter (persistence threshold 0; by default a tiny model's weights would all
 stay whole), so the LM head's weight is gathered by the engine around each head call, in the forward and again in
@@ -98,9 +98,9 @@ def main(engine: str, out: str) -> None:
     if engine == "fsdp2":
         fsdp_cpu.enable()
     Path(out).mkdir(parents=True, exist_ok=True)
-    # LoRA on lm_head too, except under ZeRO-3 (where a trainable head keeps the model's forward); before
+    # LoRA on lm_head too under ZeRO-2 (under ZeRO-3 and FSDP2 a trainable head keeps the model's forward); before
     # TrainingArguments (ZeRO-3's zero.Init)
-    models = [lora_model(on_head=engine != "zero3") for _ in range(2)]
+    models = [lora_model(on_head=engine == "zero2") for _ in range(2)]
     kw = engine_args(engine)
     if engine == "zero3":
         kw["deepspeed"]["zero_optimization"].update(
