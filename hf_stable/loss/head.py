@@ -12,7 +12,9 @@ Everything on the way (peft, DDP, accelerate) passes the output through. A `tran
 The returned `ChunkedCausalLMOutput` has ``loss`` and no ``logits``; ``chunked`` holds the per-token NLL (and the
 row statistics asked for) of the supervised positions. A call the chunked path does not cover (no labels, positional
 arguments, ``logits_to_keep``, ``return_dict=False``) goes to the model's own forward; so does every call outside
-the block (evaluation, generation, the forensics' re-runs).
+the block (evaluation, generation, the forensics' re-runs), and every call under ZeRO-3 or FSDP2 with a trainable
+head (`StepEngine.params_outside_forward`). Where the engine gathers the head per call (``forward_is_collective``),
+the ranks agree on the chunk count first (one all-reduce).
 
 Example (a stock `Trainer` user):
     >>> class ChunkedTrainer(Trainer):
