@@ -84,6 +84,34 @@ def test_loss_and_gradients_equal_the_models_forward(kind, layout):
         _assert_same(_loss_and_grads(model, {**batch, **kw}, False), _loss_and_grads(model, {**batch, **kw}, True))
 
 
+@pytest.fixture(scope="module")
+def qlora_base(tmp_path_factory):
+    pytest.importorskip("bitsandbytes")
+    from tests.qlora_helpers import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("qbase"))
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_qlora_loss_and_gradients_equal_the_models_forward(qlora_base, layout):
+    """A 4-bit NF4 base (bitsandbytes on CPU, fp32 compute) with LoRA, prepared for k-bit training and with
+    non-reentrant gradient checkpointing as the QLoRA recipes run it; its fp32 lm_head is left unquantized."""
+    from bitsandbytes.nn import Linear4bit
+
+    from tests.dist_scripts.guards_common import VOCAB
+    from tests.qlora_helpers import quantized_lora_llama
+
+    model = quantized_lora_llama(qlora_base, gradient_checkpointing=True).train()
+    assert sum(isinstance(m, Linear4bit) for m in model.modules()) == 14  # 7 projections x 2 layers, quantized
+    assert model.get_base_model().is_gradient_checkpointing
+    batch = _batch(layout)
+    batch["input_ids"] = batch["input_ids"] % VOCAB
+    batch["labels"] = torch.where(batch["labels"] == -100, -100, batch["labels"] % VOCAB)
+    for items in (None, torch.tensor(40)):
+        kw = {} if items is None else {"num_items_in_batch": items}
+        _assert_same(_loss_and_grads(model, {**batch, **kw}, False), _loss_and_grads(model, {**batch, **kw}, True))
+
+
 @pytest.mark.parametrize("kind", ["llama_lora_head", "gemma2_softcap"])
 def test_bf16_autocast_matches_the_models_forward_to_bf16_precision(kind):
     """The backward recomputes the head under the forward's autocast (a bf16 head, float32 loss)."""
@@ -124,6 +152,43 @@ def test_a_batch_without_a_supervised_token_gives_a_zero_gradient_under_num_item
     batch["labels"] = torch.full_like(batch["labels"], -100)
     loss, grads = _loss_and_grads(model, {**batch, "num_items_in_batch": torch.tensor(8)}, True)
     assert loss.item() == 0.0 and all(not g.any() for g in grads)
+
+
+def test_extra_empty_chunks_call_the_head_forward_and_backward_and_change_nothing():
+    """Where the head is gathered per call (ZeRO-3, FSDP2) the ranks run the same chunk count: the extra chunks are
+    empty, and each still calls the head in the forward and in the backward (the collectives must pair up)."""
+    model, batch = _model("llama_lora_head"), _batch("padded")
+    base = model.get_base_model()
+    calls = []
+    base.lm_head.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for agree in (None, lambda n: n + 3):
+        calls.clear()
+        hidden = base.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        out = chunked_cross_entropy(hidden, base.lm_head, batch["labels"], chunk_size=8, agree_chunks=agree)
+        results.append((out.loss.detach(), torch.autograd.grad(out.loss, params)))
+        n = len(out.rows)
+        forward = [8] * (n // 8) + [n % 8] * (n % 8 > 0) + ([0] * 3 if agree else [])
+        assert calls == forward + forward[::-1]  # the backward recomputes them in reverse order
+    loss_a, grads_a = results[0]
+    loss_b, grads_b = results[1]
+    assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+
+
+def test_a_trainable_head_keeps_the_models_forward_where_the_engine_cannot_pass_its_parameters():
+    """ZeRO-3 / FSDP2 (`StepEngine.params_outside_forward` false): a LoRA on lm_head keeps the model's forward, a
+    frozen head takes the chunks. The engine is stood in for (its flag is what the decision reads)."""
+    from hf_stable.core import engine
+
+    class Sharded(engine.StepEngine):
+        params_outside_forward = False
+
+    for kind, chunked in (("llama_lora_head", False), ("llama_lora", True)):
+        model = _model(kind)
+        engine._ENGINES[model] = Sharded()
+        with chunked_training_forward(model, TrainingLossConfig()) as run:
+            assert (run is not None) == chunked, kind
 
 
 class _HeadInputs(TrainerCallback):

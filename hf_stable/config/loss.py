@@ -16,7 +16,8 @@ class TrainingLossConfig:
             "chunks of the supervised positions only, recomputing each chunk's logits in the backward: the "
             "[tokens, vocab] logits are never held (hf_stable.loss). Same loss and gradients as the model's own "
             "forward; false = the model's forward. Models it does not fit (logit scaling, MoE router loss, a "
-            "custom loss_type) keep the model's forward."
+            "custom loss_type), and a trainable lm_head (LoRA / modules_to_save) under ZeRO-3 or FSDP2, keep the "
+            "model's forward."
         },
     )
     chunk_size: int = field(

@@ -51,6 +51,10 @@ class StepEngine:
     whole_rows = True  # a local gradient holds whole rows of its parameter (row-wise clipping, AGC)
     forward_is_collective = False  # a forward all-gathers weights: every rank must run the same forwards
     replicated_weights = True  # every rank holds the whole model weights (they must agree: `ReplicaCheck`)
+    # a trainable parameter can be an autograd function's input outside its module's forward (ZeRO-3: there it is an
+    # empty partition, its gradient would not match it; FSDP2: the sharded DTensor, not the unsharded parameter the
+    # module computes with, so it would get no gradient)
+    params_outside_forward = True
 
     def __init__(self, model=None):
         self.skip_requested = False
@@ -112,6 +116,7 @@ class FSDP2Engine(StepEngine):
     can_rerun = False  # a backward outside the Trainer's step would run FSDP's reduce-scatters
     forward_is_collective = True
     replicated_weights = False  # a rank holds its own Shard(0) rows: nothing to compare across ranks
+    params_outside_forward = False
 
     def local_grads(self, params: list) -> list[torch.Tensor | None]:
         return [None if p.grad is None else (p.grad.to_local() if _is_dtensor(p.grad) else p.grad) for p in params]
@@ -136,6 +141,7 @@ class DeepSpeedEngine(StepEngine):
         self.forward_is_collective = stage == 3
         # ZeRO-1/2 partition the optimizer's fp32 copy and state; the model's weights stay whole on every rank
         self.replicated_weights = stage < 3
+        self.params_outside_forward = stage < 3
         self._empty: dict[int, torch.Tensor] = {}  # one empty tensor per parameter without a local fragment
 
     def local_grads(self, params: list) -> list[torch.Tensor | None]:

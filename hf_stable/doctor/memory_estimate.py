@@ -11,8 +11,12 @@ plus an fp32 scale per 256 blocks); LLM.int8 one byte plus an fp32 scale per row
 Activations follow the per-layer count of Korthikanti et al. (arXiv 2205.05198) for a frozen base with adapters on
 every projection: each projection's input is kept for its LoRA factor, attention keeps q, k, v and its output
 (memory-efficient SDPA: no s x s matrix), the MLP its gate/up/activation outputs. With gradient checkpointing
-only each layer's input is kept, plus one layer's set while it is recomputed. Logits are counted in the compute
-dtype plus their fp32 copy, log-softmax and gradient (the loss upcasts). Frozen 4-bit weights are dequantized
+only each layer's input is kept, plus one layer's set while it is recomputed. Logits follow `training_loss`: the
+model's forward (``chunked: false``, or a model the chunked loss does not fit) holds them for every token in the
+compute dtype plus their fp32 copy, log-softmax and gradient (the loss upcasts); the chunked loss
+(`hf_stable.loss`) holds one chunk of ``chunk_size x vocab`` at a time (the head's output, its fp32 copy and one
+fp32 temporary: logsumexp's exponentials, or the gradient in the backward) plus, per token, the hidden row it
+keeps for the backward and its NLL, log-sum-exp and indices. Frozen 4-bit weights are dequantized
 one matmul at a time, so the largest such weight in the compute dtype is added once, twice in the backward; under
 bf16/fp16 autocast the fp32 lm_head left by `prepare_model_for_kbit_training` is cast to 16 bits and that copy is
 kept for the backward.
@@ -166,7 +170,7 @@ def estimate_memory(model, cfg, s, *, meta: bool = False) -> MemoryEstimate:
         "gradients": trainable,
         "optimizer state": _optimizer_bytes(cfg, trainable, numels),
         "activations": activations,
-        "logits": tokens * vocab * (act_bytes + 12),
+        "logits": _logits_bytes(model, cfg, tokens, vocab, h, act_bytes),
     }
     if q.enabled:
         parts["unquantized weights (embeddings, lm_head, norms)"] = other
@@ -180,7 +184,28 @@ def estimate_memory(model, cfg, s, *, meta: bool = False) -> MemoryEstimate:
     est = MemoryEstimate({k: int(v) for k, v in parts.items() if v})
     if meta:
         est.notes.append("weights predicted from the model config (meta device)")
+    if _chunked_loss(model, cfg):
+        size = cfg.training_loss.chunk_size
+        est.notes.append(f"logits: chunked loss, {min(size, tokens)} of {tokens} tokens at a time (training_loss)")
     return est
+
+
+def _chunked_loss(model, cfg) -> bool:
+    """Whether training steps will take the chunked loss (`training_loss.chunked` and a model it fits)."""
+    loss = getattr(cfg, "training_loss", None)
+    if loss is None or not loss.chunked:
+        return False
+    from hf_stable.loss import causal_lm_of, unsupported_reason
+
+    return unsupported_reason(causal_lm_of(model)) is None
+
+
+def _logits_bytes(model, cfg, tokens: int, vocab: int, h: int, act_bytes: int) -> int:
+    """The loss's peak: the whole logits (the model's forward) or one chunk's plus per-token rows (chunked)."""
+    if not _chunked_loss(model, cfg):
+        return tokens * vocab * (act_bytes + 12)
+    rows = min(tokens, cfg.training_loss.chunk_size)
+    return rows * vocab * (act_bytes + 8) + tokens * (h * act_bytes + 24)
 
 
 def memory_budget(doctor) -> tuple[float | None, str]:

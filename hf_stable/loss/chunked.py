@@ -10,7 +10,9 @@ log-softmax, their gradients); the cost is one more head matmul over the supervi
 path's matmuls over every position.
 
 The head is called as a module, so whatever wraps it takes part: a LoRA on ``lm_head``, peft's ``modules_to_save``
-copy, tied embeddings (the head's weight is the embedding's), ZeRO-3's gather on module forward.
+copy, tied embeddings (the head's weight is the embedding's), ZeRO-3's gather on module forward. Where that gather
+is a collective (ZeRO-3, FSDP2 with a sharded head), ranks with different supervised counts would call the head a
+different number of times and mismatch: `agree_chunks` makes every rank run the largest count (empty chunks).
 
 Same arithmetic as transformers' ``ForCausalLMLoss`` (``loss/loss_utils.py``): labels padded by one -100 and shifted
 (or the caller's ``shift_labels``), logits upcast to float32 after the head (and after Gemma's
@@ -143,6 +145,7 @@ def chunked_cross_entropy(
     softcap: float | None = None,
     z_loss: float = 0.0,
     row_fns: Sequence[RowFn] = (),
+    agree_chunks: Callable[[int], int] | None = None,
 ) -> ChunkedLoss:
     """The causal-LM loss of `hidden` ``[..., T, H]`` through `head`, never holding more than `chunk_size` rows of
     logits.
@@ -160,6 +163,9 @@ def chunked_cross_entropy(
         z_loss: weight of ``logsumexp(logits)^2`` per supervised token; 0: off.
         row_fns: functions ``fn(logits [n, V] float32 detached, target [n]) -> tuple of [n] tensors`` evaluated on
             every chunk's logits once (see `ChunkedLoss.row_stats`).
+        agree_chunks: under an engine whose forward gathers weights (ZeRO-3, FSDP2), every head call is a collective,
+            so every rank must make as many; this maps this rank's chunk count to the count all ranks run (the max
+            over ranks) and the extra chunks run on zero rows (their forward and backward, no value).
 
     Example:
         >>> out = chunked_cross_entropy(body(input_ids).last_hidden_state, model.lm_head, labels)
@@ -174,7 +180,10 @@ def chunked_cross_entropy(
     total = selected.sum() * 0.0  # connected to the graph even without a supervised token (a zero gradient)
     nlls, stats_out = [], []
     params = [p for p in head.parameters() if p.requires_grad]  # a LoRA / trainable head: gradients through apply
-    for start in range(0, rows.numel(), chunk_size):
+    n_chunks = -(-rows.numel() // chunk_size)
+    if agree_chunks is not None:
+        n_chunks = agree_chunks(n_chunks)
+    for start in range(0, n_chunks * chunk_size, chunk_size):  # past the rows: empty chunks
         stats = _RowStats(row_fns)
         nll, lse = _ChunkCrossEntropy.apply(
             selected[start : start + chunk_size], gold[start : start + chunk_size], head, softcap, stats, *params

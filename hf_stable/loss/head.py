@@ -12,7 +12,9 @@ Everything on the way (peft, DDP, accelerate) passes the output through. A `tran
 The returned `ChunkedCausalLMOutput` has ``loss`` and no ``logits``; ``chunked`` holds the per-token NLL (and the
 row statistics asked for) of the supervised positions. A call the chunked path does not cover (no labels, positional
 arguments, ``logits_to_keep``, ``return_dict=False``) goes to the model's own forward; so does every call outside
-the block (evaluation, generation, the forensics' re-runs).
+the block (evaluation, generation, the forensics' re-runs), and every call under ZeRO-3 or FSDP2 with a trainable
+head (`StepEngine.params_outside_forward`). Where the engine gathers the head per call (``forward_is_collective``),
+the ranks agree on the chunk count first (one all-reduce).
 
 Example (a stock `Trainer` user):
     >>> class ChunkedTrainer(Trainer):
@@ -59,6 +61,7 @@ class ChunkedRun:
     softcap: float | None
     row_fns: Sequence[RowFn] = ()
     calls: int = 0
+    collective_head: bool = False  # the head's weights are gathered per call (ZeRO-3, FSDP2): chunk counts agree
 
 
 def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -97,6 +100,12 @@ def _softcap(inner) -> float | None:
     return float(cap) if cap else None
 
 
+def _max_over_ranks(n: int) -> int:
+    from hf_stable.distributed import all_reduce_scalar
+
+    return int(all_reduce_scalar(n, "max"))
+
+
 def _forward(inner, original, run: ChunkedRun, *args, labels=None, logits_to_keep=0, **kwargs):
     plain = (
         args
@@ -121,6 +130,7 @@ def _forward(inner, original, run: ChunkedRun, *args, labels=None, logits_to_kee
         softcap=run.softcap,
         z_loss=run.z_loss,
         row_fns=run.row_fns,
+        agree_chunks=_max_over_ranks if run.collective_head else None,
     )
     run.calls += 1
     return ChunkedCausalLMOutput(
@@ -150,7 +160,15 @@ def chunked_training_forward(
     if inner is None or unsupported_reason(inner) is not None:
         yield None
         return
-    run = ChunkedRun(cfg.chunk_size, cfg.z_loss, _softcap(inner), row_fns)
+    from hf_stable.core.engine import StepEngine
+
+    engine = StepEngine.of(model)
+    if not engine.params_outside_forward and any(p.requires_grad for p in inner.get_output_embeddings().parameters()):
+        yield None  # ZeRO-3 / FSDP2 and a trainable head (LoRA / modules_to_save on lm_head): see `StepEngine`
+        return
+    run = ChunkedRun(
+        cfg.chunk_size, cfg.z_loss, _softcap(inner), row_fns, collective_head=engine.forward_is_collective
+    )
     saved = vars(inner).get("forward")  # an instance forward already there (another patch) is restored after
     original = inner.forward
 
