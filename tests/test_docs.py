@@ -225,7 +225,8 @@ def _params():
             kind = classify(command).kind
         except Exception:  # noqa: BLE001 - an unknown command or a bad config fails in its own test, not at collection
             kind = "broken"
-        marks = [pytest.mark.slow] if kind in ("recipe-run", "cli") else []
+        # a recipe run takes minutes on 2 busy cores (the default's first launch also builds its base)
+        marks = [pytest.mark.slow, pytest.mark.timeout(1800)] if kind in ("recipe-run", "cli") else []
         out.append(pytest.param(where, line, command, marks=marks, id=f"{where}:{line}"))
     return out
 
