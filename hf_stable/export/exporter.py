@@ -204,7 +204,7 @@ def export_run(run_dir, out=None, dtype: str | None = None, qlora_base: str | No
         raise ExportError(
             f"{out}: the merged checkpoint does not reproduce the trained model ({dtype}): "
             + "; ".join(check["problems"])
-            + f". Numbers in {out / CHECK_FILE}; tolerances per dtype are in the README (Merged export)"
+            + f". Numbers in {out / CHECK_FILE}; tolerances per dtype are in docs/export.md"
         )
     return {"dir": str(out), "dtype": dtype, "check": check}
 

@@ -12,7 +12,7 @@ records whether peft ended up in `sys.modules`). On the reference's held-out sam
 * greedy generations (batch of one, the checkpoint's generation config made greedy) compared token for token;
 * that `generation_config.json` stops at every stop token the run trained answers to end with.
 
-Tolerances (`TOLERANCES`, stated in the README; the coarser of the export's dtype and the trained model's applies):
+Tolerances (`TOLERANCES`, stated in docs/export.md; the coarser of the export's dtype and the trained model's applies):
 in float32 the merged model must reproduce the trained one up to float rounding and generate the same tokens; in 16
 bits each weight is rounded once (bf16 keeps 8 bits of mantissa), so logits move (0.01 on the tiny test models, more
 on large ones) and near-ties may flip a greedy token: the flips are reported, up to a quarter of the prompts pass, and

@@ -74,7 +74,7 @@ def draw_loss(ax, history: list[dict], events: list[dict]) -> bool:
 
 
 def draw_lr(ax, history: list[dict]) -> bool:
-    """The logged learning rate (the LR applied, see README) on `ax`; False when none is logged."""
+    """The logged learning rate (the LR applied, see docs/guards.md) on `ax`; False when none is logged."""
     lr = series(history, "learning_rate")
     if not lr:
         return False
