@@ -33,6 +33,7 @@ from hf_stable.core.grad_combine import fill_max_abs, sharded_report
 from hf_stable.core.grad_combine import param_name as _name
 from hf_stable.core.grad_combine import worst as _worst
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
+from hf_stable.core.step_readers import StepReaders
 from hf_stable.distributed import all_gather_tensor, rank
 from hf_stable.optim.roles import group_parameters
 
@@ -95,6 +96,8 @@ class GradStats:
         self._agreed_keys: list[str] = []
         self._agreed_max = False
         self._agreed_dev_key = None  # the device statistics the rows were gathered from
+        self.row_gathers = 0  # row gathers so far (rank-agreed): a reader tells whether its call gathered
+        self.readers = StepReaders()  # monitors' reads deferred to the decider's gather (`core.step_readers`)
         # True when the Trainer takes these statistics before its own clip (`StableTrainer`): pre-clip numbers
         # even with `max_grad_norm > 0`.
         self.pre_clip = False
@@ -408,14 +411,15 @@ class GradStats:
         else:
             keys, vector = self._local_vector(dev, max_abs)
             self._agreed_rows = all_gather_tensor(vector).tolist()  # the single device→host transfer
+            self.row_gathers += 1
             self._agreed_keys, self._agreed_step, self._agreed_dev_key = keys, step, self._dev_key
         self._agreed_max = max_abs
 
     def _refresh_own_row(self, dev: DeviceGradStats | None, step) -> bool:
         """This rank's gradients were edited since the step's rows were gathered (a callback between two of ours, a
         fault): replace this rank's row with the fresh numbers, without a collective. Its report then differs from
-        the other ranks' (the edit makes this rank's gradients differ: `ranks_differ`), and the skip guard's agreed
-        flags carry the verdict to every rank. Returns whether the row changed."""
+        the other ranks' (the edit makes this rank's gradients differ: `ranks_differ`), and the skip guard gathers the
+        rows again, so every rank judges the edit. Returns whether the row changed."""
         if self._agreed_step != step or self._agreed_rows is None or self._agreed_dev_key is self._dev_key:
             return False
         _, vector = self._local_vector(dev, self._agreed_max, reuse_extras=True)
@@ -432,8 +436,10 @@ class GradStats:
         `max_norm_param` / `max_param_norm`, the largest per-tensor L2 norm, which bounds max |g| from above,
         so a caller can ask for the exact value (one more transfer) only when the bound crosses its threshold.
         The exact max |g| reads the gradients as they are when it is asked for: ask before modifying them.
-        Distributed: a collective - every rank calls it at the same points with the same `max_abs`.
+        Distributed: a collective - every rank calls it at the same points with the same `max_abs`. A max |g| that a
+        deferred reader asked for (`readers`) is taken in the same collective.
         """
+        max_abs = max_abs or self.readers.wants_max_abs(step)
         dev = self.device_stats(model, step)
         cached = self._host is not None and self._dev_key is not None and self._host_key is self._dev_key
         gather = self._needs_gather(step, max_abs)

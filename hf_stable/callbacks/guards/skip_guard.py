@@ -1,7 +1,9 @@
 """`SkipGuard`: skip an optimizer step whose gradients or loss are non-finite, or a spike — on every rank together.
 
 Judged in `on_pre_optimizer_step` from the shared `GradStats` report (pre-clip norms; the per-step loss from
-`StepTap`); the verdict flags are max-reduced over ranks every step, so one rank's NaN skips the step everywhere.
+`StepTap`), which every rank reads from the same gathered rows - the step's one collective, taken here after every
+callback listed before this guard (the monitors' reads wait for it: `core.step_readers`), or taken again here when a
+reader listed earlier gathered it - so one rank's NaN skips the step everywhere.
 Skipping is `p.grad = None` (the optimizer then leaves the parameter and its state alone; zeroing would not).
 The step still counts: `global_step`, the data and the LR schedule advance as usual
 (`tests/test_guards_trainer.py` checks the schedule).
@@ -31,10 +33,11 @@ from dataclasses import dataclass, field
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.config.guards import SkipConfig
 from hf_stable.core.grad_stats import GradStats
-from hf_stable.core.monitor_utils import collective_device, robust_zscore
-from hf_stable.core.rank_agreement import GuardOrderError, agree, drop_gradients
+from hf_stable.core.monitor_utils import robust_zscore
+from hf_stable.core.rank_agreement import GuardOrderError, drop_gradients
 from hf_stable.core.step_noise import explain, log_z, median, window_noise
 from hf_stable.core.step_tap import StepTapUser
+from hf_stable.distributed import is_distributed
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch")
 _KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
@@ -83,11 +86,11 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self._norms: deque[float] = deque(maxlen=window)
         self._skipped_total = 0
         self._skipped_steps: deque[int] = deque(maxlen=_KEEP_STEPS)  # bounded: a run may skip for days
-        self._device = None
         self._off_reason: str | None = None
         self._listeners: list[Callable] = []
         self.last_verdict: StepVerdict | None = None
         self.last_evidence: dict = {}
+        self._judged: int | None = None  # the step label last read (`judges_later`)
 
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:
@@ -358,10 +361,22 @@ class SkipGuard(StepTapUser, StabilityCallback):
         super().on_train_begin(args, state, control, model=model, **kwargs)
         if not self.enabled:
             return
-        self._device = collective_device(args)
         self._off_reason = None
         self.last_verdict = None
+        self._judged = None
         self._use_step_tap(model)
+        if model is not None:  # monitors listed before this guard read the statistics its gather takes
+            GradStats.shared(model).readers.set_decider(self)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if model is not None and self.enabled:
+            GradStats.shared(model).readers.set_decider(None)
+        return super().on_train_end(args, state, control, model=model, **kwargs)
+
+    def judges_later(self, step: int) -> bool:
+        """Whether this guard will read step label `step`'s statistics later in the current `on_pre_optimizer_step`
+        (decided from configuration and what it judged so far: the same on every rank)."""
+        return self.enabled and self._off_reason is None and self._judged != step
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if not self.enabled or self._off_reason is not None or model is None:
@@ -370,13 +385,24 @@ class SkipGuard(StepTapUser, StabilityCallback):
             self._off_reason = "the engine steps before the Trainer's on_pre_optimizer_step (use StableTrainer)"
             return
         step = state.global_step + 1
-        report = GradStats.shared(model).compute(model, step=state.global_step)
+        stats = GradStats.shared(model)
+        gathers = stats.row_gathers
+        report = stats.compute(model, step=state.global_step)
+        if stats.row_gathers == gathers and is_distributed():
+            # A reader listed earlier gathered the rows: a gradient edited on one rank since then (a callback, a
+            # fault) changed that rank's report only. Gather them again - one collective, as a max-reduce of the
+            # flags would be - so every rank judges the gradients as they are now from the same numbers.
+            stats.begin_step()
+            report = stats.compute(model, step=state.global_step)
+        self._judged = state.global_step
+        stats.readers.flush(state.global_step)  # the monitors listed before this guard read the same report now
         den = report.extras.get("loss_den", 0.0)
         loss = report.extras["loss_num"] / den if den else None
         grad_norm = report.global_norm if report.available else 0.0
+        # every rank's report came out of the gather above, and the references learn only from agreed numbers:
+        # the flags are the same on every rank without a collective of their own
         flags = self.local_flags(grad_norm, loss, nonfinite_grads=report.nonfinite_total > 0)
         flags.append(float(report.ranks_differ and not flags[0]))
-        flags = agree(flags, self._device)
         verdict = self.decide(step, flags, grad_norm if report.available else math.nan, loss)
         if verdict.skip:
             drop_gradients(optimizer, model)
