@@ -91,6 +91,7 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self.last_verdict: StepVerdict | None = None
         self.last_evidence: dict = {}
         self._judged: int | None = None  # the step label last read (`judges_later`)
+        self._gathers_at_begin: int | None = None  # `GradStats.row_gathers` when the step began
 
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:
@@ -368,6 +369,10 @@ class SkipGuard(StepTapUser, StabilityCallback):
         if model is not None:  # monitors listed before this guard read the statistics its gather takes
             GradStats.shared(model).readers.set_decider(self)
 
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        super().on_step_begin(args, state, control, model=model, **kwargs)
+        self._gathers_at_begin = GradStats.shared(model).row_gathers if model is not None else None
+
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if model is not None and self.enabled:
             GradStats.shared(model).readers.set_decider(None)
@@ -386,12 +391,16 @@ class SkipGuard(StepTapUser, StabilityCallback):
             return
         step = state.global_step + 1
         stats = GradStats.shared(model)
+        # A reader listed earlier may have gathered the rows: a gradient edited on one rank since then (a callback,
+        # a fault) changed that rank's report only. Then they are gathered again here - one collective, as a
+        # max-reduce of the flags would be - so every rank judges the gradients as they are now from the same
+        # numbers. Whether anyone gathered is counted by `row_gathers`, the same on every rank.
+        distributed = is_distributed()
+        if distributed and self._gathers_at_begin not in (None, stats.row_gathers):
+            stats.begin_step()
         gathers = stats.row_gathers
         report = stats.compute(model, step=state.global_step)
-        if stats.row_gathers == gathers and is_distributed():
-            # A reader listed earlier gathered the rows: a gradient edited on one rank since then (a callback, a
-            # fault) changed that rank's report only. Gather them again - one collective, as a max-reduce of the
-            # flags would be - so every rank judges the gradients as they are now from the same numbers.
+        if distributed and stats.row_gathers == gathers:
             stats.begin_step()
             report = stats.compute(model, step=state.global_step)
         self._judged = state.global_step
