@@ -98,7 +98,7 @@ class StableTrainer(Trainer):
         self.accelerator.unscale_gradients()  # fp16: once per step, as the stock clip does
         stats = GradStats.shared(self.model)
         dev = stats.device_stats(self.model, step=self.state.global_step)
-        with_grad = [p for p in model.parameters() if p.grad is not None]
+        with_grad = [p for p in self._every_param(model) if p.grad is not None]
         if dev is not None and len(dev.params) != len(with_grad):  # parameters (un)frozen since the groups were read
             stats.refresh()
             dev = stats.device_stats(self.model, step=self.state.global_step)
@@ -119,11 +119,32 @@ class StableTrainer(Trainer):
                     foreach_mul_(grads, coef.to(device))
         return dev.global_norm
 
+    def _every_param(self, model) -> list:
+        """`model`'s parameters, listed once per `train()` (walking the module tree costs ~2 ms a step on a small
+        LoRA model; a step only asks which of them hold a gradient, so freezing and unfreezing are still seen)."""
+        cached = getattr(self, "_params_of", None)
+        if cached is None or cached[0] is not model:
+            cached = self._params_of = (model, list(model.parameters()))
+        return cached[1]
+
     def _sharded_norm(self, max_norm: float | None) -> torch.Tensor | None:
         """FSDP2: the norm over every rank's shards from the step's one gathered report (a collective every rank
-        enters here, at the same point of every step); a clip scales the local shards by the agreed factor."""
+        enters here, at the same point of every step); a clip scales the local shards by the agreed factor. Without
+        a clip the norm is only logged: while the skip guard will read the step's statistics in
+        `on_pre_optimizer_step`, the returned tensor is filled from that read (`core.step_readers`), so the step
+        gathers once."""
         self.accelerator.unscale_gradients()
         stats = GradStats.shared(self.model)
+        if max_norm is None:  # the norm is only logged (after the step): read it at the skip guard's gather
+            norm = torch.full((), math.nan)
+            step = self.state.global_step
+
+            def read():
+                report = stats.compute(self.model, step=step)
+                norm.fill_(report.global_norm if report.available else 0.0)
+
+            if stats.readers.defer(step, read):
+                return norm
         report = stats.compute(self.model, step=self.state.global_step)
         if not report.available:
             return None
@@ -243,6 +264,7 @@ class StableTrainer(Trainer):
         epochs, skip = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
+        self._params_of = None  # a new run lists the model's parameters again (`_every_param`)
         acc = self._accumulation_control()
         if acc is None or resume_from_checkpoint is None or self.state.global_step == 0 or self.args.ignore_data_skip:
             return epochs, skip

@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).parent / "dist_scripts" / "guards_ddp.py"
 @pytest.mark.timeout(240)
 def test_nan_on_one_rank_skips_on_both_and_weights_stay_identical(tmp_path):
     torchrun_two_ranks(SCRIPT, str(tmp_path), timeout=200, env={"GUARDS_DDP_TIMEOUT": "150"})
-    for out in (tmp_path, tmp_path / "stable"):  # stock Trainer, then StableTrainer (statistics before the edit)
+    for out in (tmp_path, tmp_path / "stable"):  # stock Trainer, then StableTrainer (a monitor listed first)
         check_ranks(out)
 
 

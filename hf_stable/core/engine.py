@@ -119,7 +119,8 @@ class FSDP2Engine(StepEngine):
     params_outside_forward = False
 
     def local_grads(self, params: list) -> list[torch.Tensor | None]:
-        return [None if p.grad is None else (p.grad.to_local() if _is_dtensor(p.grad) else p.grad) for p in params]
+        with torch.no_grad():  # `to_local` without grad is the local shard itself, not an autograd call per tensor
+            return [None if p.grad is None else (p.grad.to_local() if _is_dtensor(p.grad) else p.grad) for p in params]
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         t = tensor.detach()
@@ -143,10 +144,31 @@ class DeepSpeedEngine(StepEngine):
         self.replicated_weights = stage < 3
         self.params_outside_forward = stage < 3
         self._empty: dict[int, torch.Tensor] = {}  # one empty tensor per parameter without a local fragment
+        # This step's fragments per parameter list, kept from `begin_step` (called by `StableTrainer` right after
+        # the boundary backward, when ZeRO has filled its gradient partitions) to `step` (which frees them): ZeRO
+        # does not replace a partition in between, so each lookup (`_hp_mapping` per parameter, in Python) is made
+        # once a step instead of at every read. Never kept outside that window (an unhosted run never opens it).
+        self._fragments: dict[int, tuple[tuple[int, ...], list]] | None = None
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self._fragments = {}
 
     def local_grads(self, params: list) -> list[torch.Tensor | None]:
         if self.skip_requested:
             return [None] * len(params)
+        cache = self._fragments
+        if cache is not None:
+            key = tuple(map(id, params))
+            hit = cache.get(id(params))
+            if hit is not None and hit[0] == key:
+                return list(hit[1])
+            out = self._lookup(params)
+            cache[id(params)] = (key, out)
+            return list(out)
+        return self._lookup(params)
+
+    def _lookup(self, params: list) -> list[torch.Tensor | None]:
         out = []
         for p in params:
             g = compat.deepspeed_local_grad(p)
@@ -189,6 +211,7 @@ class DeepSpeedEngine(StepEngine):
         """
         forced = self.skip_requested
         scaler = compat.deepspeed_loss_scaler_state(engine) if forced else None
+        self._fragments = None  # the step frees the partitions the fragments view
         if forced:
             self.skip_requested = False  # read the real fragments to poison one
             grads = [g for g in self.local_grads(_trainable(engine)) if g is not None and g.numel()]

@@ -113,14 +113,15 @@ class GradRows:
         else:
             keys, vector = self._local_vector(dev, max_abs)
             self._agreed_rows = all_gather_tensor(vector).tolist()  # the single device→host transfer
+            self.row_gathers += 1
             self._agreed_keys, self._agreed_step, self._agreed_dev_key = keys, step, self._dev_key
         self._agreed_max = max_abs
 
     def _refresh_own_row(self, dev: DeviceGradStats | None, step) -> bool:
         """This rank's gradients were edited since the step's rows were gathered (a callback between two of ours, a
         fault): replace this rank's row with the fresh numbers, without a collective. Its report then differs from
-        the other ranks' (the edit makes this rank's gradients differ: `ranks_differ`), and the skip guard's agreed
-        flags carry the verdict to every rank. Returns whether the row changed."""
+        the other ranks' (the edit makes this rank's gradients differ: `ranks_differ`), and the skip guard gathers the
+        rows again, so every rank judges the edit. Returns whether the row changed."""
         if self._agreed_step != step or self._agreed_rows is None or self._agreed_dev_key is self._dev_key:
             return False
         _, vector = self._local_vector(dev, self._agreed_max, reuse_extras=True)

@@ -31,6 +31,7 @@ from hf_stable.compat import foreach_norm, tensor_version
 from hf_stable.core.engine import StepEngine
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
 from hf_stable.core.grad_rows import GradRows
+from hf_stable.core.step_readers import StepReaders
 from hf_stable.optim.roles import group_parameters
 
 __all__ = ["DeviceGradStats", "GradReport", "GradStats"]
@@ -92,6 +93,8 @@ class GradStats(GradRows):
         self._agreed_keys: list[str] = []
         self._agreed_max = False
         self._agreed_dev_key = None  # the device statistics the rows were gathered from
+        self.row_gathers = 0  # row gathers so far (rank-agreed): a reader tells whether its call gathered
+        self.readers = StepReaders()  # monitors' reads deferred to the decider's gather (`core.step_readers`)
         # True when the Trainer takes these statistics before its own clip (`StableTrainer`): pre-clip numbers
         # even with `max_grad_norm > 0`.
         self.pre_clip = False
@@ -322,8 +325,10 @@ class GradStats(GradRows):
         `max_norm_param` / `max_param_norm`, the largest per-tensor L2 norm, which bounds max |g| from above,
         so a caller can ask for the exact value (one more transfer) only when the bound crosses its threshold.
         The exact max |g| reads the gradients as they are when it is asked for: ask before modifying them.
-        Distributed: a collective - every rank calls it at the same points with the same `max_abs`.
+        Distributed: a collective - every rank calls it at the same points with the same `max_abs`. A max |g| that a
+        deferred reader asked for (`readers`) is taken in the same collective.
         """
+        max_abs = max_abs or self.readers.wants_max_abs(step)
         dev = self.device_stats(model, step)
         cached = self._host is not None and self._dev_key is not None and self._host_key is self._dev_key
         gather = self._needs_gather(step, max_abs)

@@ -14,9 +14,10 @@ rank 1 only:
 `GUARDS_DDP_BATCH=1` (records per rank and step) with `GUARDS_DDP_TRAINERS=stable` runs the `StableTrainer` pass
 alone at batch 1. Both ranks must skip steps 3, 6 and 8, roll back at 8, end with bitwise identical finite weights, and never hang
 (the faulthandler below turns a hang into stack traces and an exit). The same run follows with `StableTrainer` in
-the same process group (results in OUT/stable/), a gradient monitor listed first: the statistics (and the loss
-summed over ranks) are taken before the step-6 edit, so only rank 1 recomputes them for the skip guard - without
-entering a collective the other rank does not enter.
+the same process group (results in OUT/stable/), a gradient monitor listed first: its read waits for the skip
+guard's gather (`core.step_readers`), which comes after the step-6 edit, so both ranks judge rank 1's NaN from the
+same numbers - without entering a collective the other rank does not enter (a reader that gathers before the edit:
+tests/test_collectives_per_step.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """`SkipGuard`: skip an optimizer step whose gradients or loss are non-finite, or a spike — on every rank together.
 
 Judged in `on_pre_optimizer_step` from the shared `GradStats` report (pre-clip norms; the per-step loss from
-`StepTap`); the verdict flags are max-reduced over ranks every step, so one rank's NaN skips the step everywhere.
+`StepTap`), which every rank reads from the same gathered rows - the step's one collective, taken here after every
+callback listed before this guard (the monitors' reads wait for it: `core.step_readers`), or taken again here when a
+reader listed earlier gathered it - so one rank's NaN skips the step everywhere.
 Skipping is `p.grad = None` (the optimizer then leaves the parameter and its state alone; zeroing would not).
 The step still counts: `global_step`, the data and the LR schedule advance as usual
 (`tests/test_guards_trainer.py` checks the schedule).
@@ -29,18 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.guards.skip_rules import _MID_BETA, _RISE_STEPS, SkipRules
 from hf_stable.config.guards import SkipConfig
 from hf_stable.core.grad_stats import GradStats
-from hf_stable.core.monitor_utils import collective_device, robust_zscore
-from hf_stable.core.rank_agreement import GuardOrderError, agree, drop_gradients
-from hf_stable.core.step_noise import explain, log_z, median, window_noise
+from hf_stable.core.rank_agreement import GuardOrderError, drop_gradients
+from hf_stable.core.step_noise import explain
 from hf_stable.core.step_tap import StepTapUser
+from hf_stable.distributed import is_distributed
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch")
 _KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
-_RISE_STEPS = 5  # a rise is sustained: the median of this many latest losses is above the bar too
-_MIN_HISTORY = 8  # accepted grad norms before their robust scale joins the grad-spike rule
-_MID_BETA = 0.9  # the loss-rise reference: the lowest value of this EMA over the window (follows a fast descent)
 
 
 @dataclass
@@ -54,7 +54,7 @@ class StepVerdict:
     loss: float = math.nan
 
 
-class SkipGuard(StepTapUser, StabilityCallback):
+class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
     """Skips bad optimizer steps on every rank together; event `step_skipped`, metrics `guard/skipped*`.
 
     Args:
@@ -83,11 +83,12 @@ class SkipGuard(StepTapUser, StabilityCallback):
         self._norms: deque[float] = deque(maxlen=window)
         self._skipped_total = 0
         self._skipped_steps: deque[int] = deque(maxlen=_KEEP_STEPS)  # bounded: a run may skip for days
-        self._device = None
         self._off_reason: str | None = None
         self._listeners: list[Callable] = []
         self.last_verdict: StepVerdict | None = None
         self.last_evidence: dict = {}
+        self._judged: int | None = None  # the step label last read (`judges_later`)
+        self._gathers_at_begin: int | None = None  # `GradStats.row_gathers` when the step began
 
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:
@@ -154,101 +155,6 @@ class SkipGuard(StepTapUser, StabilityCallback):
         return self.last_verdict
 
     # --- decisions (pure, host numbers) -----------------------------------------------------------------
-    def noise(self) -> dict:
-        """The run's own noise over the window's accepted steps (`core.step_noise.window_noise`)."""
-        return window_noise(self._losses, self._norms)
-
-    def _rise_noise(self, noise: dict) -> float | None:
-        """Standard deviation of the rise statistic on a flat healthy run: the step noise (from successive
-        differences, so neither a trend nor a slow divergence inflates it) through the median of the latest
-        `_RISE_STEPS` losses (variance ~ (pi / 2) / k) and the smoothed loss ((1 - b) / (1 + b)). Runs of hard
-        batches are what the threshold's margin is for (the clean grid's highest: 4.3 sd at batch 1)."""
-        step = noise.get("loss_step_noise")
-        if step is None:
-            return None
-        return step * math.sqrt(math.pi / 2 / _RISE_STEPS + (1 - _MID_BETA) / (1 + _MID_BETA))
-
-    def _rise_stat(self, level: float) -> float | None:
-        """log(loss level / the window's lowest smoothed loss), None when not defined (no history, loss <= 0)."""
-        ref = min(self._mid_hist) if self._mid_hist else None
-        if ref is None or ref <= 0 or level <= 0:
-            return None
-        return math.log(level / ref)
-
-    def _rising(self, level: float | None, noise: dict, scale: float = 1.0) -> bool:
-        """A rise: the loss level `scale` x loss_rise_rel above the reference and `scale` x loss_rise_zscore
-        standard deviations of the rise statistic's own noise above its centre."""
-        stat = None if level is None else self._rise_stat(level)
-        if stat is None or stat <= math.log1p(self.loss_rise_rel * scale):
-            return False
-        sigma = self._rise_noise(noise)
-        return self.loss_rise_zscore is None or sigma is None or stat > scale * self.loss_rise_zscore * sigma
-
-    def local_flags(self, grad_norm: float, loss: float | None, nonfinite_grads: bool = False) -> list[float]:
-        """[nonfinite, grad_spike, loss_spike, loss_rise] as 0/1 from this rank's numbers (no state change; the
-        statistics compared are left in `self.last_evidence`)."""
-        bad = self.nonfinite and (
-            nonfinite_grads or not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss))
-        )
-        self.last_evidence = {}
-        if bad:
-            return [1.0, 0.0, 0.0, 0.0]
-        warm = self._accepted >= self.warmup_steps
-        noise = self.noise() if warm else {}
-        evidence = self.last_evidence
-        grad_spike = math.isfinite(grad_norm) and self.grad_norm_max is not None and grad_norm > self.grad_norm_max
-        if (
-            not grad_spike
-            and warm
-            and math.isfinite(grad_norm)
-            and self.grad_spike_ratio is not None
-            and self._norm_ema is not None
-            and grad_norm > self.grad_spike_ratio * self._norm_ema
-        ):
-            # the z needs a history worth a robust scale; before that (a run's first steps, references reset by a
-            # rollback to the start) the ratio alone decides, as a divergence there must still be caught
-            z = log_z(grad_norm, self._norms) if len(self._norms) >= _MIN_HISTORY else None
-            evidence.update({} if z is None else {"grad_z": z})
-            grad_spike = self.grad_spike_zscore is None or z is None or z > self.grad_spike_zscore
-        loss_spike = False
-        if warm and loss is not None and self.loss_spike_zscore is not None and len(self._losses) >= 3:
-            mid = noise.get("loss_median", median(list(self._losses)))
-            if loss > mid * (1 + self.loss_spike_min_rel):
-                z = log_z(loss, self._losses, scale=noise.get("loss_step_noise"))
-                if z is None:  # losses <= 0 (a custom loss): the z-score of the loss itself
-                    z = robust_zscore(loss, list(self._losses))
-                evidence["loss_z"] = z
-                loss_spike = z > self.loss_spike_zscore
-        loss_rise = False
-        if (
-            warm
-            and loss is not None
-            and self.loss_rise_rel is not None
-            and self._mid_hist
-            and not (loss_spike or grad_spike)
-        ):  # a spike is judged as a spike, not as a trend
-            level = self._level_with(loss)
-            loss_rise = self._rising(level, noise)
-            stat, sigma = (None if level is None else self._rise_stat(level)), self._rise_noise(noise)
-            evidence.update({k: v for k, v in (("rise_log", stat), ("rise_sigma", sigma)) if v is not None})
-        if noise:
-            evidence.update({k: v for k, v in noise.items() if k != "n"}, window_steps=noise["n"])
-        return [0.0, float(grad_spike), float(loss_spike), float(loss_rise)]
-
-    def _level_with(self, loss: float | None = None) -> float | None:
-        """The loss level now: the median of the latest plausible losses (with `loss`), robust to one hard batch;
-        None before there are 3 of them."""
-        latest = ([*self._recent, loss] if loss is not None else list(self._recent))[-_RISE_STEPS:]
-        return median(latest) if len(latest) >= 3 else None
-
-    @property
-    def healthy(self) -> bool:
-        """False while the smoothed loss sits well above its reference (half a rise, by both of the rise rule's
-        measures: a rise under way): no time for a snapshot."""
-        if self.loss_rise_rel is None or not self._mid_hist:
-            return True
-        return not self._rising(self._level_with(), self.noise(), scale=0.5)
-
     def after_rollback(self, snapshot_stats: dict) -> None:
         """Called by `RollbackGuard` after restoring weights, with the references saved in the snapshot.
 
@@ -358,10 +264,26 @@ class SkipGuard(StepTapUser, StabilityCallback):
         super().on_train_begin(args, state, control, model=model, **kwargs)
         if not self.enabled:
             return
-        self._device = collective_device(args)
         self._off_reason = None
         self.last_verdict = None
+        self._judged = None
         self._use_step_tap(model)
+        if model is not None:  # monitors listed before this guard read the statistics its gather takes
+            GradStats.shared(model).readers.set_decider(self)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        super().on_step_begin(args, state, control, model=model, **kwargs)
+        self._gathers_at_begin = GradStats.shared(model).row_gathers if model is not None else None
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if model is not None and self.enabled:
+            GradStats.shared(model).readers.set_decider(None)
+        return super().on_train_end(args, state, control, model=model, **kwargs)
+
+    def judges_later(self, step: int) -> bool:
+        """Whether this guard will read step label `step`'s statistics later in the current `on_pre_optimizer_step`
+        (decided from configuration and what it judged so far: the same on every rank)."""
+        return self.enabled and self._off_reason is None and self._judged != step
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if not self.enabled or self._off_reason is not None or model is None:
@@ -370,13 +292,28 @@ class SkipGuard(StepTapUser, StabilityCallback):
             self._off_reason = "the engine steps before the Trainer's on_pre_optimizer_step (use StableTrainer)"
             return
         step = state.global_step + 1
-        report = GradStats.shared(model).compute(model, step=state.global_step)
+        stats = GradStats.shared(model)
+        # A reader listed earlier may have gathered the rows: a gradient edited on one rank since then (a callback,
+        # a fault) changed that rank's report only. Then they are gathered again here - one collective, as a
+        # max-reduce of the flags would be - so every rank judges the gradients as they are now from the same
+        # numbers. Whether anyone gathered is counted by `row_gathers`, the same on every rank.
+        distributed = is_distributed()
+        if distributed and self._gathers_at_begin not in (None, stats.row_gathers):
+            stats.begin_step()
+        gathers = stats.row_gathers
+        report = stats.compute(model, step=state.global_step)
+        if distributed and stats.row_gathers == gathers:
+            stats.begin_step()
+            report = stats.compute(model, step=state.global_step)
+        self._judged = state.global_step
+        stats.readers.flush(state.global_step)  # the monitors listed before this guard read the same report now
         den = report.extras.get("loss_den", 0.0)
         loss = report.extras["loss_num"] / den if den else None
         grad_norm = report.global_norm if report.available else 0.0
+        # every rank's report came out of the gather above, and the references learn only from agreed numbers:
+        # the flags are the same on every rank without a collective of their own
         flags = self.local_flags(grad_norm, loss, nonfinite_grads=report.nonfinite_total > 0)
         flags.append(float(report.ranks_differ and not flags[0]))
-        flags = agree(flags, self._device)
         verdict = self.decide(step, flags, grad_norm if report.available else math.nan, loss)
         if verdict.skip:
             drop_gradients(optimizer, model)

@@ -138,6 +138,15 @@ class GradientMonitor(StabilityCallback):
         # The exact max |g| costs a second pass over the gradients: take it at logging steps (for the metric),
         # and otherwise only when the largest per-tensor L2 norm - an upper bound of it - crosses the threshold.
         log_step = logs_at(args, state.global_step + 1)
+        read = lambda: self._read(stats, model, state, log_step)
+        if not stats.readers.defer(state.global_step, read, max_abs=log_step):  # else: at the skip guard's gather
+            read()
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            GradStats.shared(model).readers.flush(state.global_step)  # a deferred read no gather ran (rank-agreed)
+
+    def _read(self, stats: GradStats, model, state, log_step: bool) -> None:
         report = stats.compute(model, step=state.global_step, max_abs=log_step)
         if not report.available:
             self._say_off(state, report.reason)

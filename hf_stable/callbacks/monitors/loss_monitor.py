@@ -165,7 +165,17 @@ class LossMonitor(StepTapUser, StabilityCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if not self.enabled or model is None:
             return
-        report = GradStats.shared(model).compute(model, step=state.global_step)
+        stats = GradStats.shared(model)
+        read = lambda: self._read(stats, model, state)
+        if not stats.readers.defer(state.global_step, read):  # else: at the skip guard's gather (`step_readers`)
+            read()
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            GradStats.shared(model).readers.flush(state.global_step)  # a deferred read no gather ran (rank-agreed)
+
+    def _read(self, stats: GradStats, model, state) -> None:
+        report = stats.compute(model, step=state.global_step)
         den = report.extras.get("loss_den", 0.0)
         self._from_tap = bool(den)
         if den:

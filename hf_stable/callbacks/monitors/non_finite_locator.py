@@ -87,6 +87,15 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         if not self.enabled or model is None or self.engine_unhosted(state, model):
             return
         stats = GradStats.shared(model)
+        read = lambda: self._read(stats, model, args, state)
+        if not stats.readers.defer(state.global_step, read):  # else: at the skip guard's gather (`step_readers`)
+            read()
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            GradStats.shared(model).readers.flush(state.global_step)  # a deferred read no gather ran (rank-agreed)
+
+    def _read(self, stats: GradStats, model, args, state) -> None:
         report = stats.compute(model, step=state.global_step)  # rank-agreed numbers (see the module docstring)
         step = state.global_step + 1
         num, den = report.extras.get("loss_num"), report.extras.get("loss_den")

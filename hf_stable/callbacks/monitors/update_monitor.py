@@ -120,14 +120,21 @@ class UpdateMonitor(StabilityCallback):
             self._snapshot = foreach_copy([engine.local(p) for p in params])
         stats = GradStats.shared(model)
         if engine.sharded:  # the local norms are parts: the step's report has the sums over ranks
-            report = stats.compute(model, step=state.global_step)
-            norms = [report.group_norms.get(g, float("nan")) for g in stats.group_names]
-            self._grad_norms = (stats.group_names, torch.tensor(norms)) if report.available else None
+            read = lambda: self._read_sharded(stats, model, state)
+            if not stats.readers.defer(state.global_step, read):  # else: at the skip guard's gather
+                read()
         else:
             dev = stats.device_stats(model, step=state.global_step)
             self._grad_norms = None if dev is None else (dev.groups, dev.group_norms)
 
+    def _read_sharded(self, stats: GradStats, model, state) -> None:
+        report = stats.compute(model, step=state.global_step)
+        norms = [report.group_norms.get(g, float("nan")) for g in stats.group_names]
+        self._grad_norms = (stats.group_names, torch.tensor(norms)) if report.available else None
+
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            GradStats.shared(model).readers.flush(state.global_step)  # a deferred read no gather ran (rank-agreed)
         if self._snapshot is None or model is None:
             return
         names, ids, params = self._params(model)
