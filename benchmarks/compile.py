@@ -10,7 +10,11 @@ over the steps after `--warmup` (the first compiled steps hold the compilations)
 keys (e.g. ``--override data.shape_buckets 0`` for the unbucketed baseline).
 
 Each arm prints one line; the last line is machine-readable:
-    compiled_vs_eager=<steps/s ratio> compiles=<dynamo compiles> recompiles=<n> graph_breaks=<n> buckets=<n>
+    compiled_vs_eager=<steps/s ratio> graphs=<n> recompiles=<n> most_of_one=<n> graph_breaks=<n> buckets=<n>
+
+``graphs`` counts the FX graphs compiled (the compilations that cost time); ``recompiles`` the functions dynamo
+converted again after a guard failed; ``most_of_one`` the most conversions of one function (dynamo gives up on a
+function at 8 and runs it eagerly).
 """
 
 from __future__ import annotations
@@ -133,8 +137,8 @@ def main(argv: list[str]) -> None:
     counts = comp[-1]["counts"] if comp else {}
     buckets = (comp or results["eager"])[-1]["buckets"]
     print(
-        f"compiled_vs_eager={speed / eager:.3f} compiles={counts.get('compiles')} "
-        f"recompiles={counts.get('recompiles')} graph_breaks={counts.get('graph_breaks')} buckets={buckets}"
+        f"compiled_vs_eager={speed / eager:.3f} graphs={counts.get('graphs')} recompiles={counts.get('recompiles')} "
+        f"most_of_one={counts.get('most_of_one')} graph_breaks={counts.get('graph_breaks')} buckets={buckets}"
     )
 
 

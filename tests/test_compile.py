@@ -90,6 +90,34 @@ def test_bucket_padding_changes_no_loss_and_no_per_sample_statistic(tokenizer_pa
     assert torch.allclose(g1, g0, rtol=1e-4, atol=1e-7)
 
 
+def test_compile_monitor_logs_counts_and_warns_on_a_compilation_after_the_warm_up(tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from hf_stable.callbacks.monitors import CompileMonitor
+    from hf_stable.compat import reset_dynamo
+
+    args = TrainingArguments(output_dir=str(tmp_path), torch_compile=True, logging_steps=1, report_to=[])
+    state, control = TrainerState(), TrainerControl()
+    reset_dynamo()
+    monitor = CompileMonitor(warmup_steps=2)
+    monitor.on_train_begin(args, state, control)
+    fn = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    for step, n in enumerate([2, 2, 2, 3], start=1):  # compiled at step 1 (warm-up); a new length at step 4
+        fn(torch.ones(n))
+        state.global_step = step
+        monitor.on_step_end(args, state, control)
+    assert [(e["step"], e["kind"]) for e in monitor.events] == [(4, "recompile")]
+    logs: dict = {}
+    monitor.on_log(args, state, control, logs=logs)
+    assert logs["compile/recompiles"] == 1.0 and logs["compile/most_of_one"] == 2.0
+    assert logs["compile/frames_at_limit"] == 0.0
+
+    eager = CompileMonitor()  # not compiled: nothing logged
+    eager.on_train_begin(TrainingArguments(output_dir=str(tmp_path), report_to=[]), state, control)
+    eager.on_step_end(args, state, control)
+    assert not eager.enabled and eager._pending == {}
+
+
 @pytest.mark.slow
 def test_compiled_recipe_compiles_at_most_once_per_bucket(tmp_path):
     """The default recipe's pieces (StableTrainer, chunked loss, every monitor and the attention probe, packed rows of
