@@ -213,3 +213,43 @@ def deepspeed_clear_overflow(engine) -> None:
     opt = getattr(engine, "optimizer", None)
     if opt is not None and hasattr(opt, "overflow"):
         opt.overflow = False
+
+
+# --- torch: dynamo's compile counters (torch.compile) ---------------------------------------------------------------
+
+
+def dynamo_compile_counts() -> dict[str, int]:
+    """What torch.compile has done in this process since the last `reset_dynamo`: ``compiles`` (frames dynamo
+    converted, recompilations included), ``recompiles`` (conversions of a frame it had converted before: a guard
+    failed, e.g. a new input shape), ``graphs`` (FX graphs handed to the backend), ``graph_breaks`` and
+    ``most_of_one`` (the most compilations of one function) and ``frames_at_limit`` (functions compiled
+    ``torch._dynamo.config.recompile_limit`` times, which then run eagerly).
+
+    Reads ``torch._dynamo.convert_frame.FRAME_COMPILE_COUNTER`` (compiles per frame) and
+    ``torch._dynamo.utils.counters``; all zero when dynamo was never imported."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return {"compiles": 0, "recompiles": 0, "graphs": 0, "graph_breaks": 0, "most_of_one": 0, "frames_at_limit": 0}
+    from torch._dynamo import config, convert_frame
+    from torch._dynamo.utils import counters
+
+    per_frame = [n for n in convert_frame.FRAME_COMPILE_COUNTER.values() if n > 0]
+    return {
+        "compiles": sum(per_frame),
+        "recompiles": sum(n - 1 for n in per_frame),
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "most_of_one": max(per_frame, default=0),
+        "frames_at_limit": sum(1 for n in per_frame if n >= config.recompile_limit),
+    }
+
+
+def reset_dynamo() -> None:
+    """Forget every compiled frame and zero the counters `dynamo_compile_counts` reads (``torch._dynamo.reset`` leaves
+    ``torch._dynamo.utils.counters`` as they were)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()

@@ -79,6 +79,7 @@ def main(argv: list[str]) -> None:
             output_dir=args.output_dir,
             batch_size=args.per_device_train_batch_size,
             vocab_size=model.get_input_embeddings().num_embeddings,
+            torch_compile=args.torch_compile,  # shape buckets (data.shape_buckets) bound the compilations
         )
 
         # 2a. template tokens the data uses whose base rows are untrained: repaired (or trained) before LoRA freezes

@@ -135,3 +135,21 @@ def test_has_mixed_mesh_grads_on_a_plain_model(tmp_path):
 
     for name in ("_clip_grad_norm", "_get_grad_norm", "_get_train_sampler", "_init_training_state"):
         assert tuple(inspect.signature(getattr(StableTrainer, name)).parameters) == compat.TRAINER_METHODS[name]
+
+
+def test_dynamo_compile_counts_count_compiles_recompiles_and_breaks():
+    def f(x):
+        y = x * 2
+        torch._dynamo.graph_break()  # the rest is a second function (a resume frame) dynamo compiles on its own
+        return y + 1
+
+    compat.reset_dynamo()
+    assert compat.dynamo_compile_counts()["compiles"] == 0
+    fn = torch.compile(f, backend="eager", dynamic=False)
+    for n in (2, 3, 3):  # a new length compiles both frames again; a length seen before does not
+        torch.testing.assert_close(fn(torch.ones(n)), torch.full((n,), 3.0))
+    counts = compat.dynamo_compile_counts()
+    assert counts["compiles"] == 4 and counts["recompiles"] == 2 and counts["most_of_one"] == 2
+    assert counts["graphs"] == 4 and counts["graph_breaks"] >= 1 and counts["frames_at_limit"] == 0
+    compat.reset_dynamo()
+    assert compat.dynamo_compile_counts() == dict.fromkeys(counts, 0)

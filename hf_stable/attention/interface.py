@@ -34,6 +34,10 @@ _PROBE = get_probe()
 
 
 def _note(backend: str, why: str) -> None:
+    if torch.compiler.is_compiling():
+        # diagnostics stay out of a compiled graph: the log call would break it, and counting would guard on the
+        # count (a recompile every call); compiled calls are not counted
+        return
     _USAGE[backend] += 1
     if (backend, why) not in _LOGGED:
         _LOGGED.add((backend, why))
@@ -41,7 +45,7 @@ def _note(backend: str, why: str) -> None:
 
 
 def backend_usage() -> dict[str, int]:
-    """How many attention calls each backend served since the last reset (diagnostics, tests, GPU check)."""
+    """How many eager attention calls each backend served since the last reset (diagnostics, tests, GPU check)."""
     return dict(_USAGE)
 
 

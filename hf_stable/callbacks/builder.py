@@ -6,7 +6,7 @@ from hf_stable.callbacks.checkpoint_marker import CheckpointMarker
 from hf_stable.callbacks.compact_printer import CompactPrinter
 from hf_stable.callbacks.guards import build_guards
 from hf_stable.callbacks.guards.qk_clip_callback import QKClipCallback
-from hf_stable.callbacks.monitors import build_monitors
+from hf_stable.callbacks.monitors import CompileMonitor, build_monitors
 from hf_stable.callbacks.monitors.attention_monitor_callback import IMPLEMENTATION, AttentionMonitorCallback
 from hf_stable.callbacks.preemption_callback import PreemptionCallback
 from hf_stable.callbacks.spike_forensics import build_forensics
@@ -52,6 +52,8 @@ def build_callbacks(cfg, args=None, records=None) -> list:
     stability = cfg.stability
     callbacks: list = []
     callbacks += build_monitors(stability.monitors)  # empty when monitors.enabled is false
+    if args is not None and getattr(args, "torch_compile", False):
+        callbacks.append(CompileMonitor())  # compile/* counts in the logs; a warning when it keeps recompiling
     callbacks += build_guards(stability.guards, training=cfg.training)  # likewise
     callbacks += build_attention_callbacks(cfg.attention)
     if records is not None:

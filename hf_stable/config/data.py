@@ -26,6 +26,15 @@ class DataConfig:
     max_length: int = field(default=256, metadata={"help": "Max tokens per sample (prompt + response + EOS)."})
     packing: bool = field(default=True, metadata={"help": "Padding-free packing with per-sample position_ids."})
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad padded batches to a multiple."})
+    shape_buckets: int | None = field(
+        default=None,
+        metadata={
+            "help": "Compile-friendly shapes: every batch's length (a packed batch's row width) is padded up to a "
+            "multiple of this, so torch.compile sees at most max_length / shape_buckets lengths instead of a new one "
+            "almost every step. Pad positions are labelled -100 (the loss is unchanged) and cost compute. null = 32 "
+            "when training.torch_compile is true, else off; 0 = off."
+        },
+    )
     packing_row_tokens: int | None = field(
         default=None,
         metadata={
@@ -77,6 +86,8 @@ class DataConfig:
             problems.append(f"max_length: got {self.max_length}, must be >= 8")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             problems.append(f"pad_to_multiple_of: got {self.pad_to_multiple_of}, must be > 0 or null")
+        if self.shape_buckets is not None and self.shape_buckets < 0:
+            problems.append(f"shape_buckets: got {self.shape_buckets}, must be >= 0 or null")
         if self.packing_row_tokens is not None and self.packing_row_tokens < 0:
             problems.append(f"packing_row_tokens: got {self.packing_row_tokens}, must be >= 0 or null")
         if not 0.0 < self.padding_alert <= 1.0:

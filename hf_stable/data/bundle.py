@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_stable.data.audit import packing_row_tokens, summarize
-from hf_stable.data.collators import PackingCollator, PaddingCollator
+from hf_stable.data.collators import PackingCollator, PaddingCollator, shape_multiple
 from hf_stable.data.identity import RecordTable, exclude_records, read_exclusions
 from hf_stable.data.prompts import encode_prompts, eos_id, resolve_template, stop_token_ids
 from hf_stable.data.records import read_records
@@ -87,6 +87,7 @@ def build_data(
     output_dir: str | None = None,
     batch_size: int = 8,
     vocab_size: int | None = None,
+    torch_compile: bool = False,
 ) -> DataBundle:
     """Read, clean, tokenize and audit ``cfg.train_file`` / ``cfg.eval_file``.
 
@@ -97,6 +98,8 @@ def build_data(
         output_dir: when given and ``cfg.audit``, the audit is written to ``output_dir/data_audit.json``.
         batch_size: per-device train batch size, used for the audit's padding ratio.
         vocab_size: token ids must be below this (pass the model's embedding rows); default ``len(tokenizer)``.
+        torch_compile: training is compiled (``training.torch_compile``): ``data.shape_buckets: null`` then pads
+            batch lengths to multiples of 32 (`collators.shape_multiple`).
 
     Raises:
         DataError: missing/empty file, a bad line (unless ``on_bad_record: skip``), a token id outside the
@@ -169,15 +172,16 @@ def build_data(
         out.mkdir(parents=True, exist_ok=True)
         (out / AUDIT_FILE).write_text(json.dumps(audit, indent=2, ensure_ascii=False), encoding="utf-8")
 
+    multiple = shape_multiple(cfg.pad_to_multiple_of, getattr(cfg, "shape_buckets", None), torch_compile)
     if cfg.packing:
-        collator = PackingCollator(pad, cfg.pad_to_multiple_of, max_row_tokens=packing_row_tokens(cfg))
+        collator = PackingCollator(pad, multiple, max_row_tokens=packing_row_tokens(cfg))
     else:
-        collator = PaddingCollator(pad, cfg.pad_to_multiple_of)
+        collator = PaddingCollator(pad, multiple)
     return DataBundle(
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         collator=collator,
-        eval_collator=PaddingCollator(pad, cfg.pad_to_multiple_of),
+        eval_collator=PaddingCollator(pad, multiple),
         eval_records=eval_records,
         audit=audit,
         stats=stats,

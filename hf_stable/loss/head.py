@@ -118,8 +118,20 @@ def _forward(inner, original, run: ChunkedRun, *args, labels=None, logits_to_kee
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     kwargs.pop("return_dict", None)
-    body = {k: v for k, v in kwargs.items() if v is not None or k not in ("output_attentions", "output_hidden_states")}
+    body = dict(kwargs)  # a loop, not a comprehension over items(): dynamo cannot iterate dict items in one
+    for key in ("output_attentions", "output_hidden_states"):
+        if key in body and body[key] is None:
+            del body[key]
     outputs = inner.base_model(**body)
+    return _chunked_output(inner, run, outputs, labels, shift_labels, num_items)
+
+
+@torch.compiler.disable
+def _chunked_output(inner, run: ChunkedRun, outputs, labels, shift_labels, num_items) -> ChunkedCausalLMOutput:
+    """The loss from the body's hidden states, kept out of a compiled graph (``training.torch_compile``): the
+    supervised rows it selects are a new count every step (a data-dependent shape dynamo cannot trace without
+    a graph break and a recompilation per count), so under torch.compile the body is one graph and the loss runs
+    eagerly after it, as it does without compilation."""
     out = chunked_cross_entropy(
         outputs.last_hidden_state,
         inner.get_output_embeddings(),

@@ -1,5 +1,6 @@
 from hf_stable.callbacks.monitors.attention_monitor_callback import AttentionMonitorCallback
 from hf_stable.callbacks.monitors.builder import EVENT_KINDS, build_monitors
+from hf_stable.callbacks.monitors.compile_monitor import CompileMonitor
 from hf_stable.callbacks.monitors.gradient_monitor import GradientMonitor
 from hf_stable.callbacks.monitors.hardware_monitor import HardwareMonitor
 from hf_stable.callbacks.monitors.loss_monitor import LossMonitor
@@ -12,6 +13,7 @@ from hf_stable.callbacks.monitors.update_monitor import UpdateMonitor
 __all__ = [
     "EVENT_KINDS",
     "AttentionMonitorCallback",
+    "CompileMonitor",
     "GradientMonitor",
     "HardwareMonitor",
     "LossMonitor",

@@ -55,6 +55,7 @@ EVENT_KINDS = {
     "replica_mismatch": "the ranks' replicas of the trainable weights differ (ranks, first parameter); the run stops",
     "monitor_off": "a monitor cannot run here (e.g. no gradient to read)",
     "monitor_notice": "a caveat about the numbers (e.g. gradients are post-clip)",
+    "recompile": "torch.compile compiled again after the warm-up (training.torch_compile; data.shape_buckets)",
 }
 
 
