@@ -211,6 +211,7 @@ def _dry_run(report: DoctorReport, cfg, s, doctor: DoctorConfig, base, model, da
 
             from hf_stable.modeling import apply_lora, load_model
 
+            cfg, s = _cpu_float32(report, cfg, s)
             set_seed(int(s.get("seed", 42)))  # the LoRA init is random: seed it so the report is reproducible
             model = load_model(cfg, base)
             model = apply_lora(model, cfg.lora, s.gradient_checkpointing, quantization=cfg.model.quantization)
@@ -220,6 +221,42 @@ def _dry_run(report: DoctorReport, cfg, s, doctor: DoctorConfig, base, model, da
         return
     report.facts["dry_run"] = facts
     report.add(findings)
+
+
+def _cpu_float32(report: DoctorReport, cfg, s):
+    """The doctor's own model for a dry run on a CPU without native bf16 matmul: loaded and run in fp32.
+
+    A bf16 step there runs torch's reference kernel (minutes per step for a 7B-shaped layer, see
+    `precision.cpu_has_fast_bf16`); what the dry run answers (gradients reach every trained weight, the loss is
+    finite) does not need the bf16 numerics. The bf16 slowness itself is an environment warning."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    from hf_stable.precision import cpu_has_fast_bf16
+
+    q = cfg.model.quantization
+    bf16 = s.bf16 or cfg.model.dtype == "bfloat16" or (q.enabled and q.compute_dtype == "bfloat16")
+    if torch.cuda.is_available() or not bf16 or cpu_has_fast_bf16():
+        return cfg, s
+    was = f"training.bf16={s.bf16}, model.dtype={cfg.model.dtype}"
+    was += f", model.quantization.compute_dtype={q.compute_dtype}" if q.enabled else ""
+    cfg = copy.deepcopy(cfg)
+    if cfg.model.dtype == "bfloat16":
+        cfg.model.dtype = "float32"
+    if q.enabled and q.compute_dtype == "bfloat16":
+        cfg.model.quantization.compute_dtype = "float32"
+    report.add(
+        Finding(
+            "info",
+            "dry run computed in fp32: this CPU has no native bf16 matmul",
+            was,
+            "the bf16 numerics are exercised by the run itself on a GPU",
+            check="dry_run.precision",
+        )
+    )
+    return cfg, dataclasses.replace(s, values={**s.values, "bf16": False})
 
 
 def blocking_on_any_rank(report: DoctorReport) -> bool:

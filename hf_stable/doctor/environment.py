@@ -20,6 +20,7 @@ from hf_stable.import_utils import (
     is_flash_attn_available,
     is_nvml_available,
 )
+from hf_stable.precision import cpu_has_fast_bf16
 
 PACKAGES = ("hf-stable", "torch", "transformers", "accelerate", "peft", "datasets", "trl", "tokenizers")
 GIB = 1024**3
@@ -165,6 +166,15 @@ def _versions_finding(versions: dict) -> Finding:
     return _f("info", "versions", "software versions", f"{text}; {', '.join(extra)}")
 
 
+def _cpu_capability() -> str:
+    import torch
+
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
 def _precision_findings(gpus: list[dict], settings: TrainingSettings, cfg) -> list[Finding]:
     out = []
     wants_bf16 = settings.bf16 or cfg.model.dtype == "bfloat16"
@@ -179,6 +189,21 @@ def _precision_findings(gpus: list[dict], settings: TrainingSettings, cfg) -> li
                     f"training.fp16={settings.fp16}, model.dtype={cfg.model.dtype}",
                     "fp16 brings no speed-up on CPU and risks overflow; use fp32 on CPU (training.fp16: false, "
                     "model.dtype: float32)",
+                )
+            )
+        q = cfg.model.quantization
+        if (wants_bf16 or (q.enabled and q.compute_dtype == "bfloat16")) and not cpu_has_fast_bf16():
+            out.append(
+                _f(
+                    "warning",
+                    "precision",
+                    "bf16 requested on a CPU without native bf16 matmul: a training step here runs on torch's "
+                    "reference bf16 kernel, two orders of magnitude slower than fp32",
+                    f"training.bf16={settings.bf16}, model.dtype={cfg.model.dtype}, "
+                    f"model.quantization.compute_dtype={q.compute_dtype if q.enabled else None}, CPU capability "
+                    f"{_cpu_capability()} (no AVX512/AMX bf16)",
+                    "train on a GPU; on this CPU use fp32 (training.bf16: false, model.dtype: float32, "
+                    "model.quantization.compute_dtype: float32)",
                 )
             )
         return out
