@@ -176,19 +176,35 @@ def test_extra_empty_chunks_call_the_head_forward_and_backward_and_change_nothin
     assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
 
 
-def test_a_trainable_head_keeps_the_models_forward_where_the_engine_cannot_pass_its_parameters():
-    """ZeRO-3 / FSDP2 (`StepEngine.params_outside_forward` false): a LoRA on lm_head keeps the model's forward, a
-    frozen head takes the chunks. The engine is stood in for (its flag is what the decision reads)."""
+@pytest.mark.parametrize("kind", ["llama_lora_head", "llama_saved_head", "gemma2_softcap"])
+def test_a_trainable_head_under_zero3_or_fsdp2_takes_checkpointed_chunks_with_the_same_loss_and_gradients(kind):
+    """ZeRO-3 / FSDP2 (`StepEngine.params_outside_forward` false): a trainable head's parameters cannot be autograd
+    inputs of the chunks, so each chunk runs by plain autograd under `torch.utils.checkpoint`: still chunk rows
+    only (never ``[B, T, H]`` into the head), the head called again in the backward, the same loss and gradients.
+    A frozen head keeps the autograd function. The engine is stood in for (its flag is what the decision reads);
+    tests/test_chunked_loss_engines.py runs the real engines."""
     from hf_stable.core import engine
 
     class Sharded(engine.StepEngine):
         params_outside_forward = False
 
-    for kind, chunked in (("llama_lora_head", False), ("llama_lora", True)):
-        model = _model(kind)
-        engine._ENGINES[model] = Sharded()
-        with chunked_training_forward(model, TrainingLossConfig()) as run:
-            assert (run is not None) == chunked, kind
+    model, batch = _model(kind), _batch("padded")
+    full = _loss_and_grads(model, batch, False)
+    engine._ENGINES[model] = Sharded()
+    head = model.get_base_model().get_output_embeddings()
+    inputs = []
+    hook = head.register_forward_hook(lambda m, a, o: inputs.append(a[0].dim()))
+    with chunked_training_forward(model, TrainingLossConfig(chunk_size=5)) as run:
+        assert run.checkpointed == any(p.requires_grad for p in head.parameters())
+    ours = _loss_and_grads(model, batch, True)
+    hook.remove()
+    n_chunks = -(-int(batch["labels"][:, 1:].ne(-100).sum()) // 5)
+    assert inputs == [2] * (2 * n_chunks)  # chunk rows, in the forward and again in the backward
+    _assert_same(full, ours)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    head_grads = [g for n, g in zip(names, ours[1], strict=True) if "lm_head" in n]
+    assert len(head_grads) == {"llama_lora_head": 2, "llama_saved_head": 1, "gemma2_softcap": 0}[kind]
+    assert all(g.abs().sum() > 0 for g in head_grads)  # the trainable head trained through the chunks
 
 
 class _HeadInputs(TrainerCallback):

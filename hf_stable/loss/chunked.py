@@ -134,6 +134,25 @@ class _ChunkCrossEntropy(torch.autograd.Function):
         return (g_h, None, None, None, None, *g_params)
 
 
+def _chunk_by_autograd(hidden, target, head, softcap, stats):
+    """(NLL, logsumexp) of one chunk by plain autograd: run under `torch.utils.checkpoint`, so the backward
+    recomputes the chunk by calling the head module again (the row statistics are read in the forward only)."""
+    logits = _capped(head(hidden), softcap)
+    lse = torch.logsumexp(logits, dim=-1)
+    nll = lse - logits.gather(1, target[:, None])[:, 0]
+    if stats.out is None:
+        stats.read(logits.detach(), target)
+    return nll, lse
+
+
+def _chunk(selected, gold, head, softcap, stats, params, checkpointed: bool):
+    if not checkpointed:
+        return _ChunkCrossEntropy.apply(selected, gold, head, softcap, stats, *params)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_chunk_by_autograd, selected, gold, head, softcap, stats, use_reentrant=False)
+
+
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     head: torch.nn.Module,
@@ -146,6 +165,7 @@ def chunked_cross_entropy(
     z_loss: float = 0.0,
     row_fns: Sequence[RowFn] = (),
     agree_chunks: Callable[[int], int] | None = None,
+    checkpointed: bool = False,
 ) -> ChunkedLoss:
     """The causal-LM loss of `hidden` ``[..., T, H]`` through `head`, never holding more than `chunk_size` rows of
     logits.
@@ -166,6 +186,11 @@ def chunked_cross_entropy(
         agree_chunks: under an engine whose forward gathers weights (ZeRO-3, FSDP2), every head call is a collective,
             so every rank must make as many; this maps this rank's chunk count to the count all ranks run (the max
             over ranks) and the extra chunks run on zero rows (their forward and backward, no value).
+        checkpointed: each chunk runs by plain autograd under `torch.utils.checkpoint` (the backward calls the
+            head module again, inside the engine's gather) instead of the autograd function that takes the head's
+            trainable parameters as inputs: for a trainable head under ZeRO-3 / FSDP2, whose parameters outside the
+            module's forward are empty partitions / sharded DTensors. Its backward holds about three ``chunk x
+            vocab`` float32 tensors at a time instead of one.
 
     Example:
         >>> out = chunked_cross_entropy(body(input_ids).last_hidden_state, model.lm_head, labels)
@@ -185,9 +210,8 @@ def chunked_cross_entropy(
         n_chunks = agree_chunks(n_chunks)
     for start in range(0, n_chunks * chunk_size, chunk_size):  # past the rows: empty chunks
         stats = _RowStats(row_fns)
-        nll, lse = _ChunkCrossEntropy.apply(
-            selected[start : start + chunk_size], gold[start : start + chunk_size], head, softcap, stats, *params
-        )
+        part = slice(start, start + chunk_size)
+        nll, lse = _chunk(selected[part], gold[part], head, softcap, stats, params, checkpointed)
         total = total + nll.sum()
         if z_loss:
             total = total + z_loss * lse.pow(2).sum()

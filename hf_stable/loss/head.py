@@ -12,9 +12,10 @@ Everything on the way (peft, DDP, accelerate) passes the output through. A `tran
 The returned `ChunkedCausalLMOutput` has ``loss`` and no ``logits``; ``chunked`` holds the per-token NLL (and the
 row statistics asked for) of the supervised positions. A call the chunked path does not cover (no labels, positional
 arguments, ``logits_to_keep``, ``return_dict=False``) goes to the model's own forward; so does every call outside
-the block (evaluation, generation, the forensics' re-runs), and every call under ZeRO-3 or FSDP2 with a trainable
-head (`StepEngine.params_outside_forward`). Where the engine gathers the head per call (``forward_is_collective``),
-the ranks agree on the chunk count first (one all-reduce).
+the block (evaluation, generation, the forensics' re-runs). Under ZeRO-3 or FSDP2 a trainable head's parameters are
+not what the module computes with outside its forward (`StepEngine.params_outside_forward`): there the chunks run by
+plain autograd under `torch.utils.checkpoint`, the backward calling the head module again. Where the engine gathers
+the head per call (``forward_is_collective``), the ranks agree on the chunk count first (one all-reduce).
 
 Example (a stock `Trainer` user):
     >>> class ChunkedTrainer(Trainer):
@@ -62,6 +63,7 @@ class ChunkedRun:
     row_fns: Sequence[RowFn] = ()
     calls: int = 0
     collective_head: bool = False  # the head's weights are gathered per call (ZeRO-3, FSDP2): chunk counts agree
+    checkpointed: bool = False  # chunks by checkpointed autograd (`chunked_cross_entropy`'s `checkpointed`)
 
 
 def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -143,6 +145,7 @@ def _chunked_output(inner, run: ChunkedRun, outputs, labels, shift_labels, num_i
         z_loss=run.z_loss,
         row_fns=run.row_fns,
         agree_chunks=_max_over_ranks if run.collective_head else None,
+        checkpointed=run.checkpointed,
     )
     run.calls += 1
     return ChunkedCausalLMOutput(
@@ -175,11 +178,15 @@ def chunked_training_forward(
     from hf_stable.core.engine import StepEngine
 
     engine = StepEngine.of(model)
-    if not engine.params_outside_forward and any(p.requires_grad for p in inner.get_output_embeddings().parameters()):
-        yield None  # ZeRO-3 / FSDP2 and a trainable head (LoRA / modules_to_save on lm_head): see `StepEngine`
-        return
+    trainable_head = any(p.requires_grad for p in inner.get_output_embeddings().parameters())
     run = ChunkedRun(
-        cfg.chunk_size, cfg.z_loss, _softcap(inner), row_fns, collective_head=engine.forward_is_collective
+        cfg.chunk_size,
+        cfg.z_loss,
+        _softcap(inner),
+        row_fns,
+        collective_head=engine.forward_is_collective,
+        # ZeRO-3 / FSDP2 and a trainable head (LoRA / modules_to_save on lm_head): see `StepEngine`
+        checkpointed=trainable_head and not engine.params_outside_forward,
     )
     saved = vars(inner).get("forward")  # an instance forward already there (another patch) is restored after
     original = inner.forward

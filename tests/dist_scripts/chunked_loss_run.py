@@ -4,9 +4,9 @@ and the same batches.
 
 Launched by tests/test_chunked_loss_engines.py as `torchrun --nproc_per_node 2 chunked_loss_run.py ENGINE OUT`. Two
 `StableTrainer`s of one step each (``training_loss.chunked`` false, then true) on two copies of a tiny Llama built
-from the same seed, with LoRA on the attention / MLP projections and, under ZeRO-2, on lm_head (its trainable
-factors then take the chunked path's own gradient route, returned by its autograd function; under ZeRO-3 and FSDP2 a
-trainable head keeps the model's forward). Padded rows of different lengths with masked prompts; a different batch
+from the same seed, with LoRA on the attention / MLP projections and on lm_head (under ZeRO-2 its trainable factors
+take the chunked path's own gradient route, returned by its autograd function; under ZeRO-3 and FSDP2 each chunk runs
+by plain autograd under torch.utils.checkpoint, the head module called again in the backward). Padded rows of different lengths with masked prompts; a different batch
 on each rank. ZeRO-3 partitions every parameter (persistence threshold 0; by default a tiny model's weights would all
 stay whole), so the LM head's weight is gathered by the engine around each head call, in the forward and again in
 the chunked backward: the ranks must call it equally often.
@@ -18,6 +18,7 @@ engine's partitions or shards between backward and the optimizer step) and what 
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -78,14 +79,22 @@ class Capture(TrainerCallback):
     def __init__(self, model):
         self.model, self.grads, self.head_calls = model, None, []
         head = model.get_base_model().lm_head
-        weight = getattr(head, "base_layer", head).weight
-        head.register_forward_hook(lambda m, a, o: self.head_calls.append((a[0].dim(), weight.numel())))
+        base = getattr(head, "base_layer", head)  # under the LoRA wrapper: ZeRO-3 gathers around this module's call
+        base.register_forward_hook(lambda m, a, o: self.head_calls.append((a[0].dim(), m.weight.numel())))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.grads = full_grads(self.model)
 
 
 class LossTrainer(StableTrainer):
+    checkpointed = None  # the chunked path's mode (None: the model's forward)
+
+    @contextlib.contextmanager
+    def _training_forward(self, model, inputs, return_outputs):
+        with super()._training_forward(model, inputs, return_outputs) as run:
+            self.checkpointed = None if run is None else run.checkpointed
+            yield run
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.supervised = int(inputs["labels"][:, 1:].ne(-100).sum())  # this rank's batch (the shifted labels)
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -98,9 +107,9 @@ def main(engine: str, out: str) -> None:
     if engine == "fsdp2":
         fsdp_cpu.enable()
     Path(out).mkdir(parents=True, exist_ok=True)
-    # LoRA on lm_head too under ZeRO-2 (under ZeRO-3 and FSDP2 a trainable head keeps the model's forward); before
-    # TrainingArguments (ZeRO-3's zero.Init)
-    models = [lora_model(on_head=engine == "zero2") for _ in range(2)]
+    # LoRA on lm_head too (under ZeRO-3 and FSDP2 its chunks run checkpointed); before TrainingArguments (ZeRO-3's
+    # zero.Init)
+    models = [lora_model(on_head=True) for _ in range(2)]
     kw = engine_args(engine)
     if engine == "zero3":
         kw["deepspeed"]["zero_optimization"].update(
@@ -127,6 +136,7 @@ def main(engine: str, out: str) -> None:
             "supervised": trainer.supervised,
             "head_weight_numel_outside": weight.numel(),
             "engine": StepEngine.of(model).name,
+            "checkpointed": trainer.checkpointed,
         }
     result["world_size"] = args.world_size
     torch.save(result, Path(out, f"rank{args.process_index}.pt"))
