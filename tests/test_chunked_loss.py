@@ -135,16 +135,24 @@ def test_z_loss_and_row_statistics_come_from_the_chunks():
     lse = torch.logsumexp(flat, -1)
     expected = torch.nn.functional.cross_entropy(flat, target[keep]) + 1e-2 * lse.pow(2).mean()
 
+    calls = []
+
     def fn(logits, gold):
+        calls.append(len(gold))
         return (logits.amax(-1),)
 
-    out = chunked_cross_entropy(hidden, base.lm_head, batch["labels"], chunk_size=4, z_loss=1e-2, row_fns=[fn])
-    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=0)
-    torch.testing.assert_close(out.rows, torch.nonzero(keep).reshape(-1))
-    torch.testing.assert_close(out.row_stats[fn][0], flat.amax(-1).detach())
-    (g_chunked,) = torch.autograd.grad(out.loss, hidden, retain_graph=True)
-    (g_full,) = torch.autograd.grad(expected, hidden)
-    torch.testing.assert_close(g_chunked, g_full, rtol=1e-5, atol=1e-6 * g_full.abs().max().item())
+    (g_full,) = torch.autograd.grad(expected, hidden, retain_graph=True)
+    for checkpointed in (False, True):  # the autograd function, and plain autograd under checkpoint (ZeRO-3/FSDP2)
+        calls.clear()
+        out = chunked_cross_entropy(
+            hidden, base.lm_head, batch["labels"], chunk_size=4, z_loss=1e-2, row_fns=[fn], checkpointed=checkpointed
+        )
+        torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=0)
+        torch.testing.assert_close(out.rows, torch.nonzero(keep).reshape(-1))
+        torch.testing.assert_close(out.row_stats[fn][0], flat.amax(-1).detach())
+        (g_chunked,) = torch.autograd.grad(out.loss, hidden, retain_graph=True)
+        torch.testing.assert_close(g_chunked, g_full, rtol=1e-5, atol=1e-6 * g_full.abs().max().item())
+        assert sum(calls) == int(keep.sum()) and len(calls) == -(-int(keep.sum()) // 4)  # once per chunk, forward only
 
 
 def test_a_batch_without_a_supervised_token_gives_a_zero_gradient_under_num_items():
