@@ -210,3 +210,21 @@ def test_doctor_world_size_is_the_process_groups_once_up(tmp_path, monkeypatch):
         assert s.effective_batch == 4 * 2 * 1
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_on_a_cpu_warns_only_without_native_bf16_matmul(monkeypatch, fast):
+    """The 8B QLoRA recipe (bf16 compute) on a CPU-only machine: a warning where torch's bf16 matmul has no native
+    kernel (an AVX2 CPU; this machine's answer is stood in for both ways, the QLoRA doctor test reads the real one)."""
+    from hf_stable.doctor import precision_checks
+
+    monkeypatch.setattr(precision_checks, "cpu_has_fast_bf16", lambda: fast)
+    cfg = load_config("configs/llama3.1-8b-qlora.yaml", check=False)
+    s = resolve_settings(cfg, None, remove_unused_columns=False)
+    found = [f for f in precision_checks.precision_findings([], s, cfg) if "native bf16" in f.what]
+    assert len(found) == (not fast)
+    if found:
+        assert found[0].severity == "warning" and "compute_dtype=bfloat16" in found[0].evidence
+        assert "training.bf16: false" in found[0].fix
+    fp32 = load_config(DEFAULT_CONFIG, check=False)  # the embedded default trains in fp32 on a CPU: nothing to say
+    assert not precision_checks.precision_findings([], resolve_settings(fp32, None, remove_unused_columns=False), fp32)

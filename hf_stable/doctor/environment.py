@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hf_stable.config.doctor import DoctorConfig
 from hf_stable.doctor.findings import Finding
+from hf_stable.doctor.precision_checks import precision_findings
 from hf_stable.doctor.settings import TrainingSettings
 from hf_stable.import_utils import (
     is_bitsandbytes_available,
@@ -20,7 +21,6 @@ from hf_stable.import_utils import (
     is_flash_attn_available,
     is_nvml_available,
 )
-from hf_stable.precision import cpu_has_fast_bf16
 
 PACKAGES = ("hf-stable", "torch", "transformers", "accelerate", "peft", "datasets", "trl", "tokenizers")
 GIB = 1024**3
@@ -166,71 +166,6 @@ def _versions_finding(versions: dict) -> Finding:
     return _f("info", "versions", "software versions", f"{text}; {', '.join(extra)}")
 
 
-def _cpu_capability() -> str:
-    import torch
-
-    try:
-        return str(torch.backends.cpu.get_cpu_capability())
-    except (AttributeError, RuntimeError):
-        return "unknown"
-
-
-def _precision_findings(gpus: list[dict], settings: TrainingSettings, cfg) -> list[Finding]:
-    out = []
-    wants_bf16 = settings.bf16 or cfg.model.dtype == "bfloat16"
-    wants_fp16 = settings.fp16 or cfg.model.dtype == "float16"
-    if not gpus:
-        if wants_fp16:
-            out.append(
-                _f(
-                    "warning",
-                    "precision",
-                    "fp16 requested on a CPU-only machine",
-                    f"training.fp16={settings.fp16}, model.dtype={cfg.model.dtype}",
-                    "fp16 brings no speed-up on CPU and risks overflow; use fp32 on CPU (training.fp16: false, "
-                    "model.dtype: float32)",
-                )
-            )
-        q = cfg.model.quantization
-        if (wants_bf16 or (q.enabled and q.compute_dtype == "bfloat16")) and not cpu_has_fast_bf16():
-            out.append(
-                _f(
-                    "warning",
-                    "precision",
-                    "bf16 requested on a CPU without native bf16 matmul: a training step here runs on torch's "
-                    "reference bf16 kernel, two orders of magnitude slower than fp32",
-                    f"training.bf16={settings.bf16}, model.dtype={cfg.model.dtype}, "
-                    f"model.quantization.compute_dtype={q.compute_dtype if q.enabled else None}, CPU capability "
-                    f"{_cpu_capability()} (no AVX512/AMX bf16)",
-                    "train on a GPU; on this CPU use fp32 (training.bf16: false, model.dtype: float32, "
-                    "model.quantization.compute_dtype: float32)",
-                )
-            )
-        return out
-    no_bf16 = [g["name"] for g in gpus if not g["bf16"]]
-    if wants_bf16 and no_bf16:
-        out.append(
-            _f(
-                "error",
-                "precision",
-                "bf16 requested but a GPU has no native bf16",
-                f"{', '.join(sorted(set(no_bf16)))} (compute capability < 8.0)",
-                "use fp16 with loss scaling (training.fp16: true, training.bf16: false) or fp32 on this GPU",
-            )
-        )
-    elif not wants_bf16 and not wants_fp16 and not no_bf16:
-        out.append(
-            _f(
-                "info",
-                "precision",
-                "training in fp32 on GPUs that support bf16",
-                ", ".join(sorted({g["name"] for g in gpus})),
-                "training.bf16: true is usually faster and numerically safe",
-            )
-        )
-    return out
-
-
 def _hardware_findings(gpus: list[dict], doctor: DoctorConfig) -> list[Finding]:
     out = []
     for g in gpus:
@@ -347,7 +282,7 @@ def check_environment(cfg, settings: TrainingSettings, doctor: DoctorConfig) -> 
                     "stop the other job or pick a free GPU with CUDA_VISIBLE_DEVICES",
                 )
             )
-    findings += _precision_findings(gpus, settings, cfg)
+    findings += precision_findings(gpus, settings, cfg)
 
     extras = {
         "flash_attn": is_flash_attn_available(),
