@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/specificity.py [--results FILE] [--label after] [--jobs 2]
         [--models lora,full] [--batches 1,2,4,16] [--packing on,off] [--seeds 3,4,5] [--steps 400]
-        [--arms on,off] [--corner] [--faults] [--report-only]
+        [--arms on,off[,null]] [--corner] [--faults] [--report-only]
 
 Each run is the recipe as a user launches it (`scripts/finetune.py`, a subprocess, one torch thread): the embedded
 default (LoRA on the tiny Llama) and a full fine-tune of `configs/tiny-qwen3.yaml` (`lora.enabled: false`), on the
@@ -12,7 +12,9 @@ every other setting is the recipe's. Counted from the run's `stability_events.js
 back-offs (a rollback's or the SNR guard's), and the eval loss from `run_summary.json`.
 
 `--corner`: the too-high-LR corner (batch 1-2 at the recipe's 1e-3, LoRA), where the guards may act but must end
-no worse than guards off on average. `--faults`: batch 1, LoRA: a NaN forward at 3 steps (must be skipped) and a
+no worse than guards off on average. The runs there are chaotic, so `--arms on,off,null` adds a null control in the
+corner: guards off with the Trainer's clip at 0.99999 instead of 1.0, a change of 1e-5 that is no policy at all;
+its spread against the off arm is how far two equally good arms land apart, the yardstick for on/off. `--faults`: batch 1, LoRA: a NaN forward at 3 steps (must be skipped) and a
 x1e3 burst (one decoder layer's MLP output x1e3 for 3 steps, must end within 5 % of the clean run), injected by
 `specificity_faults.py` through the recipe's own entry point.
 
@@ -27,13 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median, stdev
 
 ROOT = Path(__file__).resolve().parents[1]
 # the LR a batch size trains healthily at: 2e-4 at batch 1-4, the recipe's 1e-3 (set for 16) at 16
@@ -42,8 +45,11 @@ CORNER_LR = 1e-3
 MODEL_ARGS = {"lora": [], "full": ["--config", "configs/tiny-qwen3.yaml", "--lora.enabled", "false"]}
 
 
+NULL_CLIP = "0.99999"  # the null control's Trainer clip (guards off): 1e-5 away from the off arm's 1.0
+
+
 def run_key(r: dict) -> str:
-    arm = r["arm"] if r["arm"] == "off" else f"{r['label']}:on"
+    arm = r["arm"] if r["arm"] in ("off", "null") else f"{r['label']}:on"
     return f"{arm}|{r['kind']}|{r['model']}|b{r['batch']}|p{r['packing']}|lr{r['lr']:g}|s{r['seed']}|n{r['steps']}"
 
 
@@ -61,6 +67,8 @@ def recipe_argv(spec: dict, out: str) -> list[str]:
     ]  # fmt: skip
     if spec["arm"] == "off":  # logged every step: the clean run's noise, for calibration (`series` in the results)
         argv += ["--stability.guards.enabled", "false", "--training.logging_steps", "1"]
+    if spec["arm"] == "null":
+        argv += ["--stability.guards.enabled", "false", "--training.max_grad_norm", NULL_CLIP]
     return argv
 
 
@@ -112,7 +120,7 @@ def grid(a) -> list[dict]:
         for batch in a.batches:
             for packing in a.packing:
                 for seed in a.seeds:
-                    for arm in a.arms:
+                    for arm in (x for x in a.arms if x != "null"):  # the null control is for the corner
                         lr = LRS[model][batch]
                         specs.append(cell("clean", model, batch, packing, lr, seed, arm, a.steps))
     if a.corner:
@@ -125,7 +133,7 @@ def grid(a) -> list[dict]:
             for seed in a.seeds:
                 specs.append(cell(kind, "lora", 1, "on", 2e-4, seed, "on", a.steps))
     for s in specs:
-        s["label"] = a.label if s["arm"] == "on" else "off"
+        s["label"] = a.label if s["arm"] == "on" else s["arm"]
     return specs
 
 
@@ -203,6 +211,38 @@ def report(results: dict[str, dict], label: str) -> None:
         )
 
 
+def ratio_stats(ratios: list[float]) -> str:
+    """n, mean, median, geometric mean, standard error, t of the mean log ratio, better / worse, worst."""
+    logs = [math.log(x) for x in ratios]
+    se = stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
+    t = mean(logs) / (stdev(logs) / len(logs) ** 0.5) if len(logs) > 1 and stdev(logs) > 0 else float("nan")
+    return (
+        f"n={len(ratios)} mean={mean(ratios):.4f} median={median(ratios):.4f} geomean={math.exp(mean(logs)):.4f} "
+        f"se={se:.4f} t_log={t:.2f} better/worse={sum(x < 1 for x in ratios)}/{sum(x > 1 for x in ratios)} "
+        f"worst={max(ratios):.3f}"
+    )
+
+
+def corner_report(results: dict[str, dict], label: str) -> None:
+    """The corner's on/off ratios per batch and pooled, beside the null control's null/off (same seeds)."""
+    by_key = {run_key(r): r for r in results.values()}
+    rows: dict[str, list[float]] = {}
+    for r in results.values():
+        if r["arm"] != "off" or r["kind"] != "clean" or not (r["lr"] == CORNER_LR and r["batch"] <= 2):
+            continue
+        on = by_key.get(run_key({**r, "arm": "on", "label": label}))
+        null = by_key.get(run_key({**r, "arm": "null", "label": "null"}))
+        if on is None or null is None:  # only seeds with all three arms, so the two lines compare like with like
+            continue
+        for batch in (str(r["batch"]), "pooled"):
+            rows.setdefault(f"on/off   batch {batch}", []).append(on["eval_loss"] / r["eval_loss"])
+            rows.setdefault(f"null/off batch {batch}", []).append(null["eval_loss"] / r["eval_loss"])
+    if rows:
+        print(f"\n== {label}: too-high-LR corner, guards on vs off beside the null control (seeds with all arms) ==")
+        for name in sorted(rows, key=lambda k: (k.split()[-1], k)):
+            print(f"{name:>16}: {ratio_stats(rows[name])}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", default="outputs/specificity.jsonl")
@@ -248,6 +288,7 @@ def main() -> None:
     labels = sorted({r["label"] for r in done.values() if r["arm"] == "on"})
     for label in labels:
         report(done, label)
+        corner_report(done, label)
 
 
 if __name__ == "__main__":
