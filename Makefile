@@ -2,12 +2,15 @@
 #   make demo   - install, then run the main job on the embedded default (offline, CPU)
 #   make test   - install, then run the test suite
 # For the inner loop:
-#   make test-fast - the suite without subprocess recipe runs, 2-process, DeepSpeed and wheel tests (~3-4 min on 2 cores: 652 tests)
+#   make test-fast - the suite without subprocess recipe runs, 2-process, DeepSpeed and wheel tests (~2 min on 2 cores: 679 tests)
 #   make lint      - ruff's rules and formatting, checked (`ruff check --fix .` / `ruff format .` apply them)
 VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
 
+# two pytest-xdist workers, a test file each at a time (its module fixtures run once); one torch thread per worker
+# (tests/conftest.py). `make test WORKERS=` runs in one process.
+WORKERS ?= -n 2 --dist loadfile
 FAST := not slow and not distributed and not deepspeed and not wheel
 
 .PHONY: setup demo test test-fast lint bench clean
@@ -25,10 +28,10 @@ demo: setup
 		scripts/finetune.py
 
 test: setup
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q $(WORKERS)
 
 test-fast: setup
-	$(VENV)/bin/python -m pytest -q -m "$(FAST)"
+	$(VENV)/bin/python -m pytest -q $(WORKERS) -m "$(FAST)"
 
 # Both checks run and both report; the target fails if either found something.
 lint: setup

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers share the cores: one torch thread each, subprocesses too
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
