@@ -177,17 +177,21 @@ def test_preemption_checkpoints_and_the_rerun_resumes(engine, runs):
     assert "before: eval loss" in first.output and "before: eval loss" not in second.output
 
 
-@pytest.mark.deepspeed
-def test_a_cold_cache_zero3_start_builds_the_base_once_and_trains(tmp_path):
+@pytest.mark.parametrize("engine", [_engine_param("zero3"), _engine_param("fsdp2")])
+def test_a_cold_cache_sharded_start_builds_the_base_once_and_trains(engine, tmp_path):
     """With an empty base cache, rank 0 used to build the embedded base inside `main_process_first` after ZeRO-3's
     TrainingArguments existed: its `from_config` was a `zero.Init` collective that rank 1, waiting at the barrier,
-    never joined (both hung). Now the recipe builds the base first, one rank at a time under a file lock."""
-    pytest.importorskip("deepspeed")
+    never joined (both hung). Now the recipe builds the base first, one rank at a time under a file lock. FSDP2 runs
+    as the README launches it (`configs/accelerate/fsdp2.yaml`, `cpu_ram_efficient_loading`: rank 1 loads the base
+    on the meta device and gets rank 0's weights by broadcast), so a cold cache there is built once as well."""
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed")
     cache = tmp_path / "empty_cache"
     out = tmp_path / "out"
-    args = recipe_args(out, steps=2) + CPU + ENGINES["zero3"][0] + tiny_base_args(cache, pretrain_steps=20)
-    run = launch(args, out, nproc=2, timeout=300)
+    extra, accelerate_config = ENGINES[engine]
+    args = recipe_args(out, steps=2) + CPU + extra + tiny_base_args(cache, pretrain_steps=20)
+    run = launch(args, out, nproc=2, timeout=300, accelerate_config=accelerate_config)
     assert run.returncode == 0, run.tail()
-    assert _summary(run)["train_steps"] == 2
+    assert _summary(run)["train_steps"] == 2 and math.isfinite(_summary(run)["eval_loss_after"])
     built = [p for p in cache.iterdir() if not p.name.startswith(".")]
     assert len(built) == 1 and run.output.count("building embedded base") == 1  # one build, read by both ranks
