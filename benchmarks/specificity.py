@@ -14,9 +14,10 @@ back-offs (a rollback's or the SNR guard's), and the eval loss from `run_summary
 `--corner`: the too-high-LR corner (batch 1-2 at the recipe's 1e-3, LoRA), where the guards may act but must end
 no worse than guards off on average. The runs there are chaotic, so `--arms on,off,null` adds a null control in the
 corner: guards off with the Trainer's clip at 0.99999 instead of 1.0, a change of 1e-5 that is no policy at all;
-its spread against the off arm is how far two equally good arms land apart, the yardstick for on/off. `--faults`: batch 1, LoRA: a NaN forward at 3 steps (must be skipped) and a
-x1e3 burst (one decoder layer's MLP output x1e3 for 3 steps, must end within 5 % of the clean run), injected by
-`specificity_faults.py` through the recipe's own entry point.
+its spread against the off arm is how far two equally good arms land apart, the yardstick for on/off.
+`--faults`: batch 1, LoRA: a NaN forward at 3 steps (must be skipped) and a x1e3 burst (one decoder layer's MLP
+output x1e3 for 3 steps, must end within 5 % of the clean run), injected by `specificity_faults.py` through the
+recipe's own entry point.
 
 Runs append to `--results` (JSON lines, one per run, keyed by label/arm/cell/seed) and are not re-run when present,
 so one file can hold a `before` (an older checkout, `--label before`) and an `after` arm; the off arm is shared (the
@@ -225,13 +226,12 @@ def ratio_stats(ratios: list[float]) -> str:
 
 def corner_report(results: dict[str, dict], label: str) -> None:
     """The corner's on/off ratios per batch and pooled, beside the null control's null/off (same seeds)."""
-    by_key = {run_key(r): r for r in results.values()}
     rows: dict[str, list[float]] = {}
     for r in results.values():
         if r["arm"] != "off" or r["kind"] != "clean" or not (r["lr"] == CORNER_LR and r["batch"] <= 2):
             continue
-        on = by_key.get(run_key({**r, "arm": "on", "label": label}))
-        null = by_key.get(run_key({**r, "arm": "null", "label": "null"}))
+        on = results.get(run_key({**r, "arm": "on", "label": label}))  # `results` is keyed by run_key (`load`)
+        null = results.get(run_key({**r, "arm": "null", "label": "null"}))
         if on is None or null is None:  # only seeds with all three arms, so the two lines compare like with like
             continue
         for batch in (str(r["batch"]), "pooled"):
