@@ -90,6 +90,31 @@ def exact_match(
     }
 
 
+SHORT_ENOUGH = 0.5  # share of the answers that must fit the generation budget for exact match to mean something
+
+
+def exact_match_skip_reason(answer_tokens, max_new_tokens: int) -> str | None:
+    """Why exact match would measure nothing on answers of these lengths (tokens of answer + end token), or None.
+
+    The rule: exact match runs when at least half of the scored answers fit ``evaluation.max_new_tokens`` (the
+    median answer fits). Greedy generation is cut at that budget, so a longer answer can never match: on free-form
+    chat answers the score is 0.0 by construction, which reads as a broken model. When it runs, the answers that do
+    not fit count as misses (the share that cannot match is in the evaluation's log line when there are any).
+    """
+    lengths = list(answer_tokens)
+    if not lengths:
+        return None
+    fit = sum(1 for n in lengths if n <= max_new_tokens)
+    if fit >= SHORT_ENOUGH * len(lengths):
+        return None
+    median = sorted(lengths)[len(lengths) // 2]
+    return (
+        f"exact match skipped: {len(lengths) - fit} of {len(lengths)} eval answers are longer than "
+        f"evaluation.max_new_tokens {max_new_tokens} tokens (median {median}), so greedy generation cannot "
+        "reproduce them; it runs when at least half fit (raise evaluation.max_new_tokens to score them)"
+    )
+
+
 def sharded_parameters(model) -> str | None:
     """Which engine shards `model`'s parameters across ranks ("ZeRO-3" / "FSDP"), or None.
 
@@ -127,6 +152,9 @@ def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
         metrics = trainer.evaluate(metric_key_prefix=f"eval_{prefix}")
         out["eval_loss"] = metrics.get(f"eval_{prefix}_loss")
     n = min(eval_cfg.exact_match_samples, len(data.eval_records))
+    skip = exact_match_skip_reason((getattr(data, "eval_answer_tokens", None) or [])[:n], eval_cfg.max_new_tokens)
+    if n and skip is not None:  # the same on every rank (config and eval data)
+        n = 0
     sharded = sharded_parameters(trainer.model)
     if n and _zero3_without_engine(trainer, sharded):
         get_logger(__name__).warning(
@@ -157,8 +185,8 @@ def evaluate_run(trainer, tokenizer, data, eval_cfg, *, prefix: str) -> dict:
         if "exact_match" in out:
             by_family = (out.get("exact_match_detail") or {}).get("by_family")
             em_text = f"exact match {out['exact_match']} on {n} prompts" + (f" {by_family}" if by_family else "")
-        else:  # exact_match_samples 0, no held-out records, or ZeRO-3
-            em_text = "exact match: off"
+        else:  # exact_match_samples 0, no held-out records, answers too long, or ZeRO-3
+            em_text = skip or "exact match: off"
         loss = f"eval loss {out['eval_loss']}" if out.get("eval_loss") is not None else "eval loss: no eval set"
         get_logger(__name__).info("%s: %s, %s", prefix, loss, em_text)
     return out

@@ -149,6 +149,7 @@ def main(argv: list[str]) -> None:
         exported = export_after_training(cfg, args.output_dir)
         summary = {
             "base_model": cfg.model.name_or_path,
+            "eval_source": data.eval_source,  # the eval file, or the records held out of the train file
             "eval_loss_before": before.get("eval_loss"),
             "eval_loss_after": after.get("eval_loss"),
             "exact_match_before": before.get("exact_match"),

@@ -91,7 +91,7 @@ def test_vocabularies_match_llama_cpp_reference_tokenizations(real_tokenizer, vo
 def test_supervised_span_is_the_templates_final_turn(case_tok, tmp_path):
     case, tok = case_tok
     convs = conversations(case)
-    cfg = DataConfig(train_file=_write(tmp_path / "t.jsonl", [r for r, _ in convs.values()]), packing=False)
+    cfg = DataConfig(train_file=_write(tmp_path / "t.jsonl", [r for r, _ in convs.values()]), eval_file=None, packing=False)
     data = build_data(cfg, tok)
     assert len(data.train_dataset) == len(convs)
     end_id = tok.convert_tokens_to_ids(case.turn_end)
@@ -160,6 +160,7 @@ def test_padded_and_packed_batches_keep_the_final_turn(case_tok, tmp_path, packi
     convs = conversations(case)
     cfg = DataConfig(
         train_file=_write(tmp_path / "t.jsonl", [r for r, _ in convs.values()]),
+        eval_file=None,
         packing=packing,
         pad_to_multiple_of=16,
         audit=False,
@@ -178,7 +179,7 @@ def test_padded_and_packed_batches_keep_the_final_turn(case_tok, tmp_path, packi
 def test_stop_tokens_audit_and_generation_config(case_tok, tmp_path):
     case, tok = case_tok
     convs = conversations(case)
-    cfg = DataConfig(train_file=_write(tmp_path / "t.jsonl", [r for r, _ in convs.values()]), packing=True)
+    cfg = DataConfig(train_file=_write(tmp_path / "t.jsonl", [r for r, _ in convs.values()]), eval_file=None, packing=True)
     data = build_data(cfg, tok)
     want = list(dict.fromkeys([case.turn_end, case.eos]))
     assert tok.convert_ids_to_tokens(data.stop_token_ids) == want
@@ -204,7 +205,7 @@ def test_templates_whose_generation_prompt_opens_with_think_are_aligned(real_tok
     case, tok = ALIGNED_CASES[name], real_tokenizer(name)
     end = case.turn_end
     rows = [_chat("What is 6 x 7?", "42"), _chat("What is 6 x 7?", "<think>\nsix sevens\n</think>\n\n42")]
-    data = build_data(DataConfig(train_file=_write(tmp_path / "t.jsonl", rows), packing=False), tok)
+    data = build_data(DataConfig(train_file=_write(tmp_path / "t.jsonl", rows), eval_file=None, packing=False), tok)
     spans, prompts = [], []
     for record, sample in zip(rows, data.train_dataset, strict=True):
         n = sample["labels"].count(IGNORE_INDEX)

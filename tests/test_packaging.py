@@ -35,7 +35,7 @@ def test_checkout_paths_are_links_to_the_package_data():
 def test_embedded_data_paths_name_the_packaged_files(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the checkout: the names do not depend on the working directory
     cfg = load_config()
-    assert (cfg.data.train_file, cfg.data.eval_file) == ("embedded:train", "embedded:eval")
+    assert (cfg.data.train_file, cfg.data.eval_file) == ("embedded:train", "auto")  # auto: embedded:eval here
     got = read_records("embedded:eval", config_field="data.eval_file")
     expected = (ROOT / "data" / "embedded" / "eval.jsonl").read_text(encoding="utf-8").splitlines()
     assert got.n_lines == len(expected) == 200 and got.records[0].path == "embedded:eval"

@@ -17,8 +17,19 @@ class DataConfig:
         metadata={"help": "Training JSONL (alpaca or chat/messages); embedded:train is the packaged dataset."},
     )
     eval_file: str | None = field(
-        default="embedded:eval",
-        metadata={"help": "Held-out JSONL for eval loss and exact match; embedded:eval is the packaged one."},
+        default="auto",
+        metadata={
+            "help": "Held-out JSONL for eval loss and exact match; embedded:eval is the packaged one; auto = "
+            "embedded:eval for the embedded train set, else a seeded held-out split of train_file "
+            "(eval_fraction, eval_max_records); null = no evaluation."
+        },
+    )
+    eval_fraction: float = field(
+        default=0.1,
+        metadata={"help": "eval_file: auto on your own train file: the fraction of its records held out (>= 1)."},
+    )
+    eval_max_records: int = field(
+        default=200, metadata={"help": "eval_file: auto on your own train file: at most this many held out."}
     )
     format: Literal["auto", "alpaca", "chat"] = field(
         default="auto", metadata={"help": "Record format; auto looks at the first record's keys."}
@@ -94,9 +105,14 @@ class DataConfig:
             problems.append(f"padding_alert: got {self.padding_alert}, must be in (0, 1]")
         if not 0.0 < self.near_duplicate_threshold <= 1.0:
             problems.append(f"near_duplicate_threshold: got {self.near_duplicate_threshold}, must be in (0, 1]")
+        if not 0.0 < self.eval_fraction < 1.0:
+            problems.append(f"eval_fraction: got {self.eval_fraction}, must be in (0, 1)")
+        if self.eval_max_records < 1:
+            problems.append(f"eval_max_records: got {self.eval_max_records}, must be >= 1")
         if not self.train_file:
             problems.append("train_file: empty, name a JSONL file")
-        for name, path in (("train_file", self.train_file), ("eval_file", self.eval_file)):
+        evals = () if self.eval_file == "auto" else (("eval_file", self.eval_file),)
+        for name, path in (("train_file", self.train_file), *evals):
             if embedded_dataset_name(path) is not None and data_file(path) is None:
                 problems.append(f"{name}: got {path!r}, the packaged datasets are: {', '.join(embedded_data_paths())}")
         return problems

@@ -15,10 +15,11 @@ from typing import Any
 
 from hf_stable.data.audit import packing_row_tokens, summarize
 from hf_stable.data.collators import PackingCollator, PaddingCollator, shape_multiple
+from hf_stable.data.holdout import AUTO, resolve_eval_file, split_holdout
 from hf_stable.data.identity import RecordTable, exclude_records, read_exclusions
 from hf_stable.data.prompts import encode_prompts, eos_id, resolve_template, stop_token_ids
 from hf_stable.data.records import read_records
-from hf_stable.data.samples import encode_records
+from hf_stable.data.samples import IGNORE_INDEX, encode_records
 from hf_stable.errors import DataError
 from hf_stable.logging import get_logger, is_main_process
 
@@ -38,6 +39,10 @@ class DataBundle:
         eval_collator: right-padding collator (evaluation batches).
         eval_records: cleaned eval records (extra keys kept) for exact-match generation with
             `encode_prompt` / `reference_answer`.
+        eval_source: what the eval set is, for the console and the model card: the eval file, or
+            ``"N records held out of FILE (seed S)"`` (``data.eval_file: auto`` on the user's own train file).
+        eval_answer_tokens: supervised tokens (answer + end token) of each eval record, in `eval_records` order:
+            whether exact match can compare the answers (`hf_stable.evaluation.exact_match_skip_reason`).
         audit: ``{"train": audit dict, "eval": audit dict or None}`` (empty when ``data.audit`` is off).
         stats: ``{"train": {...}, "eval": {...}}`` counts read / cleaned / kept / dropped by reason.
         template: the prompt template in use (``"chat_template"`` or ``"alpaca"``).
@@ -55,6 +60,8 @@ class DataBundle:
     collator: Any
     eval_collator: Any
     eval_records: list[dict] = field(default_factory=list)
+    eval_source: str | None = None
+    eval_answer_tokens: list[int] = field(default_factory=list)
     audit: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     template: str = "alpaca"
@@ -77,6 +84,51 @@ def _stats(read, enc) -> dict:
         "dropped": sum(dropped.values()),
         "dropped_reasons": dropped,
     }
+
+
+def _say_holdout(train_file: str, train, held, seed: int) -> str | None:
+    """One console line saying what the run evaluates on when ``data.eval_file`` is ``auto`` on the user's file."""
+    n_all = len(train.records) + len(held.records)
+    if not held.records:
+        logger.warning(
+            "data.eval_file auto: %s has %d good record(s), too few to hold any out: no evaluation "
+            "(set data.eval_file to an eval JSONL)",
+            train_file,
+            n_all,
+        )
+        return None
+    source = f"{len(held.records)} records held out of {train_file} (seed {seed})"
+    logger.info(
+        "data: evaluating on %d of %d records held out of %s (data.eval_file: auto, seed %d); "
+        "they are not trained on. Set data.eval_file to use your own eval file",
+        len(held.records),
+        n_all,
+        train_file,
+        seed,
+    )
+    return source
+
+
+NAMED_DROPS = 3  # dropped records named on the console; the rest are in data_audit.json
+
+
+def _say_dropped(config_field: str, read, enc, audit_file: Path | None) -> None:
+    """Name the first dropped records (``file:line: reason``) on the console, then how many more and where they
+    are listed: a count by reason alone leaves the user searching the file. Records left out on purpose by
+    ``data.exclude_file`` are not drops."""
+    examples = read.skipped_examples + enc.dropped_examples
+    n = sum(v for k, v in read.skipped.items() if k != "excluded") + sum(enc.dropped.values())
+    if not n:
+        return
+    lines = examples[:NAMED_DROPS]
+    if n > len(lines):
+        where = f"see {audit_file}" if audit_file is not None else "`hf-stable audit FILE --skip-bad` lists them"
+        lines.append(f"+{n - len(lines)} more, {where}")
+    logger.warning("%s: %d record(s) dropped:\n  %s", config_field, n, "\n  ".join(lines))
+
+
+def _answer_tokens(dataset) -> list[int]:
+    return [sum(1 for x in labels if x != IGNORE_INDEX) for labels in dataset["labels"]]
 
 
 def build_data(
@@ -117,10 +169,12 @@ def build_data(
 
     exclusions = read_exclusions(getattr(cfg, "exclude_file", None))
 
-    def load(path: str, config_field: str, train: bool = False):
-        read = read_records(
+    def read(path: str, config_field: str):
+        return read_records(
             path, config_field=config_field, format=cfg.format, on_bad_record=cfg.on_bad_record, clean=cfg.clean
         )
+
+    def load(read, path: str, config_field: str, train: bool = False):
         if train:
             n_excluded = exclude_records(read, exclusions)
             if n_excluded:
@@ -148,18 +202,36 @@ def build_data(
                 template=template,
                 path=str(path),
             )
+        drops.append((config_field, read, enc))
         columns = {"input_ids": [s["input_ids"] for s in samples], "labels": [s["labels"] for s in samples]}
         if train:
             columns["record_id"] = [s["record_id"] for s in samples]
         return read, enc, Dataset.from_dict(columns), audit
 
-    train_read, train_enc, train_ds, train_audit = load(cfg.train_file, "data.train_file", train=True)
+    drops: list = []  # (config field, ReadResult, EncodeStats) per file, for the dropped records named below
+    eval_file = resolve_eval_file(cfg.train_file, cfg.eval_file)
+    train_read = read(cfg.train_file, "data.train_file")
+    held = None
+    if eval_file == AUTO:
+        train_read, held = split_holdout(
+            train_read,
+            fraction=getattr(cfg, "eval_fraction", 0.1),
+            max_records=getattr(cfg, "eval_max_records", 200),
+            seed=seed,
+        )
+        eval_source = _say_holdout(cfg.train_file, train_read, held, seed)
+    else:
+        eval_source = eval_file
+    train_read, train_enc, train_ds, train_audit = load(train_read, cfg.train_file, "data.train_file", train=True)
     stats = {"train": _stats(train_read, train_enc), "eval": None}
     audit: dict = {"train": train_audit, "eval": None} if cfg.audit else {}
-    eval_ds, eval_records = None, []
-    if cfg.eval_file:
-        eval_read, eval_enc, eval_ds, eval_audit = load(cfg.eval_file, "data.eval_file")
+    eval_ds, eval_records, eval_answer_tokens = None, [], []
+    if eval_file and (held is None or held.records):
+        eval_read = held if held is not None else read(eval_file, "data.eval_file")
+        eval_path = f"{cfg.train_file} (held out)" if held is not None else eval_file
+        eval_read, eval_enc, eval_ds, eval_audit = load(eval_read, eval_path, "data.eval_file")
         eval_records = [r.data for r in eval_read.records]
+        eval_answer_tokens = _answer_tokens(eval_ds)
         stats["eval"] = _stats(eval_read, eval_enc)
         if cfg.audit:
             audit["eval"] = eval_audit
@@ -167,10 +239,13 @@ def build_data(
     for name, a in audit.items():
         for alert in (a or {}).get("alerts", []):
             logger.warning("data audit (%s): %s", name, alert)
-    if output_dir and cfg.audit and is_main_process():  # every rank computes the same audit; one writes it
+    written = bool(output_dir and cfg.audit)
+    if written and is_main_process():  # every rank computes the same audit; one writes it
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / AUDIT_FILE).write_text(json.dumps(audit, indent=2, ensure_ascii=False), encoding="utf-8")
+    for config_field, read_result, enc in drops:
+        _say_dropped(config_field, read_result, enc, Path(output_dir) / AUDIT_FILE if written else None)
 
     multiple = shape_multiple(cfg.pad_to_multiple_of, getattr(cfg, "shape_buckets", None), torch_compile)
     if cfg.packing:
@@ -183,6 +258,8 @@ def build_data(
         collator=collator,
         eval_collator=PaddingCollator(pad, multiple),
         eval_records=eval_records,
+        eval_source=eval_source,
+        eval_answer_tokens=eval_answer_tokens,
         audit=audit,
         stats=stats,
         template=template,

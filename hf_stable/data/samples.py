@@ -26,6 +26,8 @@ passes ``vocab_size``) are an error naming the sample: they index past the embed
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -34,6 +36,34 @@ from hf_stable.data.records import Record
 from hf_stable.errors import DataError
 
 IGNORE_INDEX = -100
+
+_TOKENIZER_LOGGER = "transformers.tokenization_utils_base"
+_TOO_LONG = "Token indices sequence length is longer than"
+
+
+class _TooLongNotice(logging.Filter):
+    """Drops transformers' "Token indices sequence length is longer than ... will result in indexing errors" and
+    nothing else: every record tokenized here is then cut or dropped by the truncation policy above, never fed
+    whole to the model, so the warning would be false (and the audit counts those records)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_TOO_LONG)
+
+
+@contextlib.contextmanager
+def _quiet_length_warning(tokenizer, max_length: int):
+    """`_TooLongNotice` while encoding, when no kept sample can exceed the tokenizer's own limit (data.max_length
+    <= model_max_length); a max_length beyond it leaves the warning on, since it is then true of kept samples."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    if not isinstance(limit, int) or max_length > limit:
+        yield
+        return
+    log, quiet = logging.getLogger(_TOKENIZER_LOGGER), _TooLongNotice()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 @dataclass
@@ -120,8 +150,9 @@ def encode_records(
     samples: list[dict] = []
     for start in range(0, len(records), chunk):
         part = records[start : start + chunk]
-        renderings = render_all(tokenizer, [r.data for r in part], template, [r.where for r in part])
-        encoded = encode_renderings(tokenizer, renderings, template)
+        with _quiet_length_warning(tokenizer, max_length):
+            renderings = render_all(tokenizer, [r.data for r in part], template, [r.where for r in part])
+            encoded = encode_renderings(tokenizer, renderings, template)
         for k, (rec, rendering, (p, a)) in enumerate(zip(part, renderings, encoded, strict=True)):
             built = build_sample(p, a, max_length)
             if built is None:

@@ -106,7 +106,7 @@ def write_model_card(
         n_total=f"{summary.get('n_parameters', 0):,}",
         plot_path=plot_path,
         train_file=data_cfg.get("train_file"),
-        eval_file=data_cfg.get("eval_file"),
+        eval_file=summary.get("eval_source") or data_cfg.get("eval_file") or "none",
         data_section=data_section or "No data audit was run.",
         optimizer_section=optimizer_section,
         stability_section=stability_section or "No stability events were recorded.",
