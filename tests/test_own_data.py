@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 from transformers import PreTrainedTokenizerFast
@@ -123,3 +124,52 @@ def test_a_few_drops_are_all_named_without_a_more_line(tokenizer, tmp_path, capl
         build_data(DataConfig(train_file=path, eval_file=None, on_bad_record="skip", audit=False), tokenizer)
     named = next(r.getMessage() for r in caplog.records if "record(s) dropped" in r.getMessage()).splitlines()
     assert len(named) == 1 + n_bad and "more" not in named[-1]
+
+
+@pytest.mark.slow
+def test_the_recipe_on_a_users_chat_file_evaluates_on_it_and_names_what_it_dropped(tmp_path):
+    """`scripts/finetune.py --data.train_file my_chats.jsonl`: the eval set is held out of that file (one line,
+    model card), exact match is skipped with its reason (long answers), and the dropped records are named."""
+    import subprocess
+    import sys
+
+    from tests.dist_scripts.harness import tiny_base_args
+    from tests.helpers import ROOT
+
+    rows = [
+        chat(i, f"The sum of {i} and {i} is {2 * i}. " + "Adding a number to itself doubles it. " * 3)
+        for i in range(40)
+    ]
+    rows[2] = chat(2, answer=" ")
+    rows[5] = {"messages": [{"role": "user", "content": "long " * 3000}, {"role": "assistant", "content": "x"}]}
+    path = write(tmp_path / "my_chats.jsonl", rows)
+    out = tmp_path / "out"
+    argv = [*tiny_base_args(tmp_path / "bases"), "--data.train_file", path, "--data.on_bad_record", "skip"]
+    argv += [
+        "--training.max_steps",
+        "2",
+        "--training.per_device_train_batch_size",
+        "8",
+        "--training.output_dir",
+        str(out),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "finetune.py"), *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert f"data: evaluating on 4 of 39 records held out of {path} (data.eval_file: auto, seed 42)" in log
+    assert "arithmetic" not in log  # nothing of the embedded eval set
+    assert f"{path}:3: the last message's content is empty after cleaning" in log
+    assert f"{path}:6: prompt is " in log
+    skipped = "exact match skipped: 4 of 4 eval answers are longer than evaluation.max_new_tokens"
+    assert log.count(skipped) == 2  # before and after training
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert f"- eval: `4 records held out of {path} (seed 42)`" in card
