@@ -1,6 +1,6 @@
 """`hf-stable` console command: subcommands dispatch to the module that owns them.
 
-hf-stable audit DATA.jsonl --tokenizer DIR [--json]
+hf-stable audit DATA.jsonl --tokenizer DIR|HUB_ID|embedded:tiny-llama [--skip-bad] [--json]
 hf-stable report OUTPUT_DIR
 hf-stable doctor --config CONFIG.yaml [overrides] [--json]
 hf-stable build-base [--arch llama|qwen2|qwen3]

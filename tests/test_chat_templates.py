@@ -91,7 +91,9 @@ def test_vocabularies_match_llama_cpp_reference_tokenizations(real_tokenizer, vo
 def test_supervised_span_is_the_templates_final_turn(case_tok, tmp_path):
     case, tok = case_tok
     convs = conversations(case)
-    cfg = DataConfig(train_file=_write(tmp_path / "t.jsonl", [r for r, _ in convs.values()]), eval_file=None, packing=False)
+    cfg = DataConfig(
+        train_file=_write(tmp_path / "t.jsonl", [r for r, _ in convs.values()]), eval_file=None, packing=False
+    )
     data = build_data(cfg, tok)
     assert len(data.train_dataset) == len(convs)
     end_id = tok.convert_tokens_to_ids(case.turn_end)
@@ -179,7 +181,9 @@ def test_padded_and_packed_batches_keep_the_final_turn(case_tok, tmp_path, packi
 def test_stop_tokens_audit_and_generation_config(case_tok, tmp_path):
     case, tok = case_tok
     convs = conversations(case)
-    cfg = DataConfig(train_file=_write(tmp_path / "t.jsonl", [r for r, _ in convs.values()]), eval_file=None, packing=True)
+    cfg = DataConfig(
+        train_file=_write(tmp_path / "t.jsonl", [r for r, _ in convs.values()]), eval_file=None, packing=True
+    )
     data = build_data(cfg, tok)
     want = list(dict.fromkeys([case.turn_end, case.eos]))
     assert tok.convert_ids_to_tokens(data.stop_token_ids) == want

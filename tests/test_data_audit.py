@@ -127,3 +127,39 @@ def test_markdown_for_train_and_eval(tokenizer, dataset):
     md = audit_markdown({"train": a, "eval": None})
     assert md.startswith("### Data audit: train") and "| stop-token coverage (EOS / end of turn) | 100.0% |" in md
     assert "duplicates (exact + near) | 25.0% (1 + 1)" in md
+
+
+def test_cli_takes_an_embedded_tokenizer_prints_each_dropped_record_and_names_its_own_flag(
+    dataset, tmp_path, monkeypatch, capsys
+):
+    """`hf-stable audit FILE --tokenizer embedded:tiny-llama` (what the doctor suggests for the default recipe): the
+    embedded base's tokenizer without building the base, each dropped record as file:line in the text form, and the
+    bad-line error pointing at --skip-bad (the audit's flag), not at a config key."""
+    monkeypatch.setenv("HF_STABLE_CACHE", str(tmp_path / "cache"))  # nothing cached: the tokenizer is trained
+    assert cli_main(["audit", dataset, "--tokenizer", "embedded:tiny-llama", "--skip-bad", "--max-length", "160"]) == 0
+    out = capsys.readouterr().out
+    assert "records read / kept / dropped | 10 / 7 / 3" in out
+    assert f"  {dataset}:9: malformed JSON" in out and f"  {dataset}:10: field 'output' must be a string" in out
+    assert "Dropped records (3):" in out
+    assert not (tmp_path / "cache" / "bases").exists()  # no base built for an audit
+    assert cli_main(["audit", dataset, "--tokenizer", "embedded:tiny-llama"]) == 2
+    err = capsys.readouterr().err
+    assert f"{dataset}:9: malformed JSON" in err and "pass --skip-bad" in err and "on_bad_record" not in err
+    assert cli_main(["audit", dataset, "--tokenizer", "embedded:tiny-gpt"]) == 2
+    assert "--tokenizer: name_or_path: got 'embedded:tiny-gpt', embedded bases are: embedded:tiny-llama" in (
+        capsys.readouterr().err
+    )
+
+
+def test_embedded_tokenizer_without_the_base_is_the_built_bases_tokenizer(tmp_path):
+    import dataclasses
+
+    from hf_stable.embedded.builder import embedded_tokenizer, ensure_base
+    from tests.helpers import TINY
+
+    cfg = dataclasses.replace(TINY, cache_dir=str(tmp_path), pretrain_steps=0)
+    before = embedded_tokenizer("llama", cfg)  # trained in memory
+    built = ensure_base("llama", cfg)
+    after = embedded_tokenizer("llama", cfg)  # read from the cached base
+    assert before.get_vocab() == after.get_vocab() and len(before) == len(after)
+    assert before.chat_template == after.chat_template and (built / "tokenizer").is_dir()

@@ -173,3 +173,26 @@ def test_the_recipe_on_a_users_chat_file_evaluates_on_it_and_names_what_it_dropp
     assert log.count(skipped) == 2  # before and after training
     card = (out / "README.md").read_text(encoding="utf-8")
     assert f"- eval: `4 records held out of {path} (seed 42)`" in card
+
+
+def test_the_doctors_audit_advice_is_a_command_that_runs(tmp_path, monkeypatch, capsys):
+    """The doctor's fix for a data-audit warning is the exact `hf-stable audit` command for this config (file,
+    tokenizer, max_length, --skip-bad), and that command runs and names the dropped record."""
+    import shlex
+
+    from hf_stable.cli import main as cli_main
+    from hf_stable.config import load_config
+    from hf_stable.doctor import run_doctor
+    from tests.dist_scripts.harness import tiny_base_args
+
+    rows = [chat(i) for i in range(12)]
+    rows[4] = chat(4, answer=" ")
+    path = write(tmp_path / "mine.jsonl", rows)
+    argv = [*tiny_base_args(tmp_path / "bases"), "--data.train_file", path, "--data.on_bad_record", "skip"]
+    report = run_doctor(load_config(argv=argv), dry_run=False)
+    fixes = [f.fix for f in report.findings if f.check == "hazards.data_audit" and "dropped" in f.what]
+    command = f"hf-stable audit {path} --tokenizer embedded:tiny-llama --max-length 128 --skip-bad"
+    assert fixes == [f"inspect it record by record: `{command}`"]
+    monkeypatch.setenv("HF_STABLE_CACHE", str(tmp_path / "cache"))
+    assert cli_main(shlex.split(command)[1:]) == 0
+    assert f"  {path}:5: the last message's content is empty" in capsys.readouterr().out

@@ -196,6 +196,7 @@ def audit_dataset(
     vocab_size: int | None = None,
     config_field: str = "data.train_file",
     exclude=None,
+    skip_hint: str | None = None,
 ) -> dict:
     """Audit one JSONL file as the trainer would see it under `cfg` (a `DataConfig`; defaults if None), without the
     records `exclude` names (a quarantine file or a list of file:line / hashes, see `read_exclusions`).
@@ -212,7 +213,12 @@ def audit_dataset(
     cfg = cfg or DataConfig()
     template = resolve_template(tokenizer, cfg.template)
     read = read_records(
-        path, config_field=config_field, format=cfg.format, on_bad_record=cfg.on_bad_record, clean=cfg.clean
+        path,
+        config_field=config_field,
+        format=cfg.format,
+        on_bad_record=cfg.on_bad_record,
+        clean=cfg.clean,
+        **({"skip_hint": skip_hint} if skip_hint else {}),
     )
     exclude_records(read, read_exclusions(exclude))
     samples, enc = encode_records(
@@ -270,7 +276,11 @@ def audit_markdown(audit: dict) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-stable audit", description="Audit a JSONL dataset before training.")
     p.add_argument("data", help="alpaca or chat JSONL file")
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory (PreTrainedTokenizerFast.from_pretrained)")
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="what model.tokenizer / model.name_or_path accept: a directory, a Hub id, or embedded:tiny-<arch>",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
     p.add_argument("--max-length", type=int, default=None, help="data.max_length (default from DataConfig)")
     p.add_argument("--batch-size", type=int, default=8, help="per-device batch size used for the padding ratio")
@@ -284,20 +294,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hf-stable audit DATA.jsonl --tokenizer DIR [--json]``; returns the exit code."""
-    from pathlib import Path
-
+    """``hf-stable audit DATA.jsonl --tokenizer DIR|HUB_ID|embedded:tiny-<arch> [--json]``; returns the exit code."""
     from hf_stable.config.data import DataConfig
 
     args = _parser().parse_args(argv)
-    if not Path(args.tokenizer).is_dir():
-        raise ModelError(f"--tokenizer: {args.tokenizer} is not a directory; pass a saved tokenizer directory")
-    from transformers import PreTrainedTokenizerFast
-
-    try:
-        tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"--tokenizer: cannot load a fast tokenizer from {args.tokenizer}: {e}") from e
+    tok = audit_tokenizer(args.tokenizer)
     cfg = DataConfig(
         train_file=args.data,
         eval_file=None,
@@ -309,12 +310,71 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.max_length:
         cfg.max_length = args.max_length
-    audit = audit_dataset(args.data, tok, cfg, batch_size=args.batch_size, config_field="DATA", exclude=args.exclude)
+    audit = audit_dataset(
+        args.data,
+        tok,
+        cfg,
+        batch_size=args.batch_size,
+        config_field="DATA",
+        exclude=args.exclude,
+        skip_hint="pass --skip-bad to skip and count bad lines",
+    )
     if args.json:
         print(json.dumps(audit, ensure_ascii=False))
     else:
-        print(f"Data audit of {args.data}\n\n{audit_markdown(audit)}")
+        print(f"Data audit of {args.data}\n\n{audit_markdown(audit)}\n\n{records_text(audit)}")
     return 0
+
+
+def records_text(audit: dict) -> str:
+    """The per-record detail of the text form: every dropped record as ``file:line: reason`` (as many as the
+    audit keeps), then how many more, and what the audit's flags change."""
+    examples = audit.get("dropped_examples") or []
+    n = audit["n_dropped"] - audit["dropped_reasons"].get("excluded", 0)
+    if not n:
+        return "Dropped records: none"
+    lines = [f"Dropped records ({n}):"] + [f"  {e}" for e in examples]
+    if n > len(examples):
+        lines.append(f"  +{n - len(examples)} more (--json lists the same first {len(examples)})")
+    if audit.get("n_truncated"):
+        lines.append(f"{audit['n_truncated']} answers truncated to max_length {audit['max_length']} (--max-length N)")
+    return "\n".join(lines)
+
+
+def audit_tokenizer(value: str):
+    """The tokenizer `--tokenizer` names, read as the recipe reads `model.tokenizer`: ``embedded:tiny-<arch>`` (the
+    embedded base's tokenizer; the base itself is not built), a directory, or a Hub id.
+
+    Raises:
+        ModelError: naming ``--tokenizer``: an unknown embedded name, a missing directory, a tokenizer that will
+            not load.
+    """
+    from pathlib import Path
+
+    from hf_stable.config.model import EMBEDDED_PREFIX, ModelConfig
+
+    if value.startswith(EMBEDDED_PREFIX):
+        model = ModelConfig(name_or_path=value)
+        problems = model.validate()
+        if problems:
+            raise ModelError(f"--tokenizer: {'; '.join(problems)}")
+        from hf_stable.embedded.builder import embedded_tokenizer
+
+        return embedded_tokenizer(model.embedded_arch, model.embedded)
+    path = Path(value).expanduser()
+    if value.startswith(("/", "./", "../", "~")) and not path.is_dir():
+        raise ModelError(
+            f"--tokenizer: {value} is not a directory; pass a saved tokenizer directory, a Hub id or "
+            "embedded:tiny-llama"
+        )
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        if (path / "tokenizer.json").is_file():  # a saved fast tokenizer, read as it was written
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(value)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"--tokenizer: cannot load a tokenizer from {value!r}: {e}") from None
 
 
 if __name__ == "__main__":

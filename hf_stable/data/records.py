@@ -178,6 +178,7 @@ def read_records(
     format: str = "auto",
     on_bad_record: str = "error",
     clean: bool = True,
+    skip_hint: str = "set data.on_bad_record: skip to skip and count bad lines",
 ) -> ReadResult:
     """Read, check and clean one JSONL file.
 
@@ -188,6 +189,7 @@ def read_records(
         format: ``"auto"`` (the first good record decides), ``"alpaca"`` or ``"chat"``.
         on_bad_record: ``"error"`` stops at the first bad line; ``"skip"`` skips and counts it.
         clean: remove zero-width/control characters and NFC-normalise (see ``cleaning.py``).
+        skip_hint: how the caller's user skips bad lines, in the error (the audit CLI's flag is ``--skip-bad``).
 
     Raises:
         DataError: missing file, empty file, no good record left, or (with ``"error"``) a bad line,
@@ -233,9 +235,7 @@ def read_records(
         except _Bad as bad:
             msg = f"{path_s}:{lineno}: {bad}"
             if on_bad_record != "skip":
-                raise DataError(
-                    f"{msg}\n  fix the line, or set data.on_bad_record: skip to skip and count bad lines"
-                ) from None
+                raise DataError(f"{msg}\n  fix the line, or {skip_hint}") from None
             result.skipped[bad.reason] += 1
             if len(result.skipped_examples) < _MAX_EXAMPLES:
                 result.skipped_examples.append(msg)

@@ -39,6 +39,23 @@ def _crash(check: str, what: str, e: BaseException) -> Finding:
     return Finding("error", what, f"{type(e).__name__}: {e}{loc}", "report this with the config attached", check=check)
 
 
+def _held_out(data_cfg) -> bool:
+    from hf_stable.data.holdout import AUTO, resolve_eval_file
+
+    return resolve_eval_file(data_cfg.train_file, data_cfg.eval_file) == AUTO
+
+
+def audit_command(cfg, path) -> str:
+    """The `hf-stable audit` command that shows the records of `path` as this config reads them."""
+    import shlex
+
+    tokenizer = cfg.model.tokenizer or cfg.model.name_or_path
+    words = ["hf-stable", "audit", str(path), "--tokenizer", str(tokenizer), "--max-length", str(cfg.data.max_length)]
+    if cfg.data.on_bad_record == "skip":
+        words.append("--skip-bad")
+    return shlex.join(words)
+
+
 def config_findings(cfg) -> list[Finding]:
     """The checks `load_config` runs (`hf_stable.config.checks`), one blocking finding per problem."""
     from hf_stable.config.checks import config_problems
@@ -140,14 +157,16 @@ def run_doctor(
     if data is not None:
         report.facts["data"] = {"train_samples": len(data.train_dataset), "stats": getattr(data, "stats", {})}
         for name, audit in (getattr(data, "audit", None) or {}).items():
+            path = getattr(cfg.data, f"{name}_file", None)
+            # the file the audit read: an eval split held out of the train file is audited there
+            source = cfg.data.train_file if name == "eval" and _held_out(cfg.data) else path
             for alert in (audit or {}).get("alerts", []):
-                path = getattr(cfg.data, f"{name}_file", None)
                 report.add(
                     Finding(
                         "warning",
                         f"data audit ({name}): {alert}",
                         f"data.{name}_file={path}",
-                        "inspect it with `hf-stable audit FILE --tokenizer DIR` (details per record)",
+                        f"inspect it record by record: `{audit_command(cfg, source)}`",
                         check="hazards.data_audit",
                     )
                 )

@@ -114,6 +114,20 @@ def _pretrain(model, tokenizer, cfg: EmbeddedBaseConfig, corpus: list[str]) -> l
     return losses
 
 
+def embedded_tokenizer(arch: str, cfg: EmbeddedBaseConfig):
+    """The tokenizer of the embedded base (`arch`, `cfg`) without building the base: the cached base's own when it
+    exists, else trained in memory from the same seeded corpus (`build_base` trains it first, from nothing else).
+    For a data audit, which needs the tokenizer and not the pretrained weights."""
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_stable.embedded.tokenizer import train_tokenizer
+
+    entry = (Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()) / cache_key(arch, cfg)
+    if _complete(entry):
+        return PreTrainedTokenizerFast.from_pretrained(entry / "tokenizer")
+    return train_tokenizer(_training_texts(cfg)[1], vocab_size=cfg.vocab_size)
+
+
 def build_base(arch: str, cfg: EmbeddedBaseConfig, out_dir: str | Path) -> dict:
     """Build the tiny `arch` base into `out_dir` (model + `tokenizer/`). Returns build info."""
     import torch
