@@ -18,10 +18,12 @@ _LOCAL_PREFIXES = ("/", "./", "../", "~")
 
 
 def resolve_base(cfg: ModelConfig) -> str:
-    """Directory or Hub id to load. Builds the embedded base when asked; a local path must exist.
+    """Directory or Hub id to load. Builds the embedded base when asked; a local path must exist; a Hub id is
+    checked once against the Hub (`hf_stable.hub.resolve_hub_model`: the cached snapshot when it cannot be reached).
 
     Raises:
-        ModelError: a path that looks local (or names an existing parent dir) does not exist.
+        ModelError: a path that looks local (or names an existing parent dir) does not exist; the Hub cannot be
+            reached and the model is not cached (one line naming model.name_or_path and the ways out).
     """
     if cfg.is_embedded:
         from hf_stable.embedded.builder import ensure_base
@@ -37,7 +39,11 @@ def resolve_base(cfg: ModelConfig) -> str:
             )
         if not (path / "config.json").is_file():
             raise ModelError(f"model.name_or_path: {path} has no config.json, so it is not a model directory")
-    return name
+        return name
+    from hf_stable.hub import resolve_hub_model
+
+    # one quick look at the Hub (no retries) instead of a minute of retries per file when it cannot be reached
+    return resolve_hub_model(name, cfg.revision)
 
 
 def tokenizer_path(cfg: ModelConfig, base: str) -> str:
@@ -59,13 +65,18 @@ def load_tokenizer(cfg: ModelConfig, base: str):
         else:
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     except OSError as e:
-        raise ModelError(f"model.tokenizer: cannot load a tokenizer from {path!r}: {e}") from None
+        key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"  # the key the user set (or can set)
+        raise ModelError(f"{key}: cannot load a tokenizer from {path!r}: {_first_line(e)}") from None
     if tok.pad_token is None:
         # Llama-3 ships no pad token; our collator supervises EOS by position, so pad == eos is safe.
         tok.pad_token = tok.eos_token
         logger.info("tokenizer has no pad token: using eos %r as pad (EOS stays supervised)", tok.eos_token)
     tok.padding_side = "right"
     return tok
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _torch_dtype(name: str):
