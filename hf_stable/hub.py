@@ -23,6 +23,15 @@ logger = get_logger(__name__)
 PROBE_TIMEOUT = 10.0  # seconds for the one HEAD request: a reachable Hub answers in well under that
 
 
+class HubUnreachableError(ModelError):
+    """The Hub cannot be reached (or ``HF_HUB_OFFLINE=1``) and the model is not in the local cache: an environment
+    problem, with the ways out (`what` and `ways_out` for the doctor's row; the message is both, on one line)."""
+
+    def __init__(self, field: str, what: str, name: str):
+        self.what, self.ways_out = f"{field}: {what}", _ways_out(name)
+        super().__init__(f"{self.what}; {self.ways_out}")
+
+
 def _ways_out(name: str) -> str:
     return (
         f"ways out: set model.name_or_path to a local model directory; download it where the Hub is reachable "
@@ -83,10 +92,11 @@ def resolve_hub_model(name: str, revision: str | None = None, *, field: str = "m
         snapshot = _cached_snapshot(name, revision)
         why = f"{type(e).__name__}: {e}".splitlines()[0]
         if snapshot is None:
-            raise ModelError(
-                f"{field}: cannot reach the Hugging Face Hub at {constants.ENDPOINT} ({why}) to download {name!r}, "
-                f"and it is not in the local cache ({cache}); {_ways_out(name)}"
-            ) from None
+            what = (
+                f"cannot reach the Hugging Face Hub at {constants.ENDPOINT} ({why}) to download {name!r}, "
+                f"and it is not in the local cache ({cache})"
+            )
+            raise HubUnreachableError(field, what, name) from None
         logger.warning(
             "the Hugging Face Hub at %s cannot be reached (%s): loading %s from the local cache %s "
             "(set HF_HUB_OFFLINE=1 to skip this check)",

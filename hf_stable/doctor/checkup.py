@@ -16,12 +16,13 @@ from hf_stable.doctor.environment import check_environment
 from hf_stable.doctor.findings import DoctorReport, Finding
 from hf_stable.doctor.hazards import check_hazards
 from hf_stable.doctor.memory_estimate import memory_findings
-from hf_stable.doctor.probes import meta_model, meta_model_facts, model_facts
+from hf_stable.doctor.probes import meta_model, meta_model_facts, meta_model_from_config, model_facts, shipped_shape
 from hf_stable.doctor.report import render_text, save_report
 from hf_stable.doctor.settings import doctor_settings, resolve_settings
 from hf_stable.doctor.untrained_tokens import CHECK as UNTRAINED_CHECK
 from hf_stable.doctor.untrained_tokens import check_untrained_tokens, untrained_findings
 from hf_stable.errors import HfStableError
+from hf_stable.hub import HubUnreachableError, hub_offline
 from hf_stable.logging import get_logger, is_main_process, print_main
 
 logger = get_logger(__name__)
@@ -37,6 +38,66 @@ def _crash(check: str, what: str, e: BaseException) -> Finding:
     where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
     loc = f" at {where.filename.rsplit('/', 1)[-1]}:{where.lineno}" if where else ""
     return Finding("error", what, f"{type(e).__name__}: {e}{loc}", "report this with the config attached", check=check)
+
+
+def _shipped_meta_model(report: DoctorReport, cfg):
+    """The meta model from the shapes hf_stable ships for `model.name_or_path` (the Hub is out of reach and the
+    config is not cached), said in an info row; None (also said) for a model it ships none for."""
+    name = cfg.model.name_or_path
+    shape = shipped_shape(name)
+    if shape is None:
+        report.add(
+            Finding(
+                "info",
+                "model checks and memory estimate: not made (the model's config.json is neither cached nor "
+                "among the shapes hf_stable ships)",
+                f"model.name_or_path={name}",
+                check="hazards.model",
+            )
+        )
+        return None
+    report.add(
+        Finding(
+            "info",
+            f"model checks and memory estimate from the shapes hf_stable ships for {name} (the Hub is out of reach)",
+            f"hf_stable/doctor/shapes/{name.replace('/', '--')}.json",
+            check="hazards.model",
+        )
+    )
+    return meta_model_from_config(shape, cfg.model.trust_remote_code)
+
+
+def data_file_findings(cfg) -> list[Finding]:
+    """Without a tokenizer: the data files exist and their lines are good records (`read_records`), one row each."""
+    from hf_stable.data.holdout import AUTO, resolve_eval_file
+    from hf_stable.data.records import read_records
+
+    files = [("data.train_file", cfg.data.train_file)]
+    eval_file = resolve_eval_file(cfg.data.train_file, cfg.data.eval_file)
+    if eval_file and eval_file != AUTO:
+        files.append(("data.eval_file", eval_file))
+    out = []
+    for key, path in files:
+        try:
+            read = read_records(
+                path, config_field=key, format=cfg.data.format, on_bad_record=cfg.data.on_bad_record, clean=False
+            )
+        except HfStableError as e:
+            first, _, rest = str(e).partition("\n")
+            fix = rest.strip() or f"set {key} to a JSONL file (alpaca or chat/messages records)"
+            out.append(Finding("error", f"{key} cannot be read", first, fix, check="hazards.data"))
+            continue
+        skipped = f", {sum(read.skipped.values())} bad lines skipped" if read.skipped else ""
+        out.append(
+            Finding(
+                "info",
+                f"{key}: {len(read.records)} {read.format} records read{skipped}; tokenization not checked "
+                "(no tokenizer)",
+                str(path),
+                check="hazards.data",
+            )
+        )
+    return out
 
 
 def _held_out(data_cfg) -> bool:
@@ -130,21 +191,29 @@ def run_doctor(
     except Exception as e:  # a driver in a bad state must not hide the config checks
         report.add(_crash("environment.crash", "the environment could not be read", e))
 
-    base = None
+    base = hub_down = None
     if model is None or tokenizer is None:
         try:
             from hf_stable.modeling import load_tokenizer, resolve_base
 
             base = resolve_base(cfg.model)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, base)
+        except HubUnreachableError as e:  # the environment, not a bug: the ways out, and the checks go on
+            hub_down = e
+            report.add(Finding("error", e.what, f"HF_HUB_OFFLINE={hub_offline()}", e.ways_out, check="hazards.model"))
         except Exception as e:
             report.add(_crash("hazards.model", "the base model / tokenizer cannot be loaded", e))
     facts = meta = None
     try:
-        meta = meta_model(cfg, base) if model is None and base else None
-        facts = model_facts(model) if model is not None else meta_model_facts(cfg, base, meta) if base else None
+        if model is None and base:
+            meta = meta_model(cfg, base)
+        elif model is None and hub_down is not None:
+            meta = _shipped_meta_model(report, cfg)
+        facts = model_facts(model) if model is not None else meta_model_facts(cfg, base, meta) if meta else None
     except Exception as e:
         report.add(_crash("hazards.model", "the model config cannot be read", e))
+    if data is None and tokenizer is None:
+        report.add(data_file_findings(cfg))  # what can be checked without a tokenizer: the files and their lines
     if data is None and tokenizer is not None:
         try:
             from hf_stable.data import build_data

@@ -84,6 +84,33 @@ def meta_model(cfg, base: str):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
 
 
+SHAPES_DIR = "shapes"  # hf_stable/doctor/shapes/<org>--<name>.json: the configs/ models' shapes
+
+
+def shipped_shape(name: str):
+    """The model config hf_stable ships for a Hub id its configs/ use (shapes copied from the model's config.json
+    on the Hub), or None: the memory estimate and LoRA-target checks then work with the Hub out of reach."""
+    import json
+    from importlib import resources
+
+    from transformers import AutoConfig
+
+    entry = resources.files("hf_stable.doctor").joinpath(SHAPES_DIR, name.replace("/", "--") + ".json")
+    if "/" not in name or not entry.is_file():
+        return None
+    values = json.loads(entry.read_text(encoding="utf-8"))
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def meta_model_from_config(config, trust_remote_code: bool = False):
+    """`config`'s causal LM on the meta device (no weights read or allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def meta_model_facts(cfg, base: str, model=None) -> ModelFacts:
     """Facts of `base` from its config alone: the model is instantiated on the meta device (no weights)."""
     model = model if model is not None else meta_model(cfg, base)
