@@ -107,3 +107,24 @@ def test_offline_mode_without_the_model_cached_says_so_in_one_line(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert "model.name_or_path: HF_HUB_OFFLINE=1 and 'someone/cached-model' is not in the " in last
     assert WAYS_OUT in last
+
+
+def test_every_hub_model_of_configs_has_its_shape_shipped():
+    """The doctor's memory estimate without the Hub: each Hub id in configs/ has a shipped shape whose parameter
+    count is the model's published size."""
+    import yaml
+
+    from hf_stable.doctor.probes import meta_model_from_config, shipped_shape
+
+    published = {"Qwen/Qwen2.5-7B-Instruct": 7.62e9, "Qwen/Qwen2.5-0.5B-Instruct": 0.494e9}
+    published["meta-llama/Llama-3.1-8B-Instruct"] = 8.03e9
+    names = set()
+    for path in (ROOT / "configs").glob("*.yaml"):
+        name = ((yaml.safe_load(path.read_text()) or {}).get("model") or {}).get("name_or_path", "")
+        if "/" in name and not name.startswith("embedded:"):
+            names.add(name)
+    assert names == set(published)
+    for name, size in published.items():
+        n = sum(p.numel() for p in meta_model_from_config(shipped_shape(name)).parameters())
+        assert abs(n - size) / size < 0.01, (name, n)
+    assert shipped_shape("someone/unknown") is None
