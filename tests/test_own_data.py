@@ -59,6 +59,10 @@ def test_auto_means_embedded_eval_only_for_the_embedded_train_set():
     assert resolve_eval_file("my.jsonl", None) is None
     assert DataConfig().eval_file == "auto"
     assert [holdout_size(n, 0.1, 200) for n in (1, 2, 5, 40, 10_000)] == [0, 1, 1, 4, 200]
+    assert DataConfig(eval_fraction=1.5, eval_max_records=0).validate() == [
+        "eval_fraction: got 1.5, must be in (0, 1)",
+        "eval_max_records: got 0, must be >= 1",
+    ]
 
 
 def test_a_one_record_file_says_it_cannot_hold_any_out(tokenizer, tmp_path, caplog):
