@@ -26,7 +26,9 @@ class DataConfig:
     )
     eval_fraction: float = field(
         default=0.1,
-        metadata={"help": "eval_file: auto on your own train file: the fraction of its records held out (at least one record)."},
+        metadata={
+            "help": "eval_file: auto on your own train file: the fraction of its records held out (at least 1)."
+        },
     )
     eval_max_records: int = field(
         default=200, metadata={"help": "eval_file: auto on your own train file: at most this many held out."}
