@@ -35,7 +35,9 @@ from hf_stable.core.events import EVENTS_FILE
 from hf_stable.errors import HfStableError, Preempted
 from hf_stable.forensics.quarantine import QUARANTINE_FILE
 from hf_stable.full_disk import describe_free, disk_full, errors_in_chain
-from hf_stable.logging import is_main_process, process_rank
+from hf_stable.logging import get_logger, is_main_process, process_rank
+
+logger = get_logger(__name__)
 
 SUMMARY_FILE = "run_summary.json"
 INCOMPLETE_FILE = "RUN_INCOMPLETE.json"
@@ -61,8 +63,9 @@ def describe_os_error(e: OSError) -> str:
 class OutputDir:
     """Lifecycle of one run's output directory (writes happen on the main process only)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, overwrite: bool = False):
         self.path = Path(path)
+        self.overwrite = overwrite  # `runtime.overwrite`: a finished run here is moved aside instead of refused
         self.started = time.time()
         self.finished = False
 
@@ -79,13 +82,29 @@ class OutputDir:
         problem = None
         if is_main_process():
             try:
-                self._prepare(config)
+                problem = self._finished_run()
+                if problem is None:
+                    self._prepare(config)
             except OSError as e:
                 problem = self._start_problem(e)
         problem = broadcast_object(problem)
         if problem:
             raise OutputDirError(problem)
         return self
+
+    def _finished_run(self) -> str | None:
+        """A finished run in the directory: refused (the message), or moved aside with `overwrite` (see
+        `hf_stable.finished_run`)."""
+        from hf_stable import finished_run
+
+        when = finished_run.finished_at(self.path)
+        if when is None:
+            return None
+        if not self.overwrite:
+            return finished_run.refusal(self.path, when)
+        target, names = finished_run.move_aside(self.path, when)
+        print(finished_run.replaced_line(self.path, when, target, names), flush=True)
+        return None
 
     def _prepare(self, config: dict) -> None:
         if self.path.exists() and not self.path.is_dir():
@@ -123,6 +142,7 @@ class OutputDir:
                 n += 1
                 target = self.path / f"{old.stem}.{stamp}-{n}{old.suffix}"
             old.replace(target)
+            logger.info("an earlier run's %s was moved to %s", name, target.name)  # each moved file said once
             moved = target if name == EVENTS_FILE else moved
         return moved
 

@@ -55,16 +55,14 @@ def main(argv: list[str]) -> None:
             cfg, remove_unused_columns=False, **guard_training_overrides(cfg.stability.guards, cfg.training)
         )
         prepare_launch(args)  # e.g. refuses N processes that would each train alone on CPU
-    output = OutputDir(args.output_dir)
+    output = OutputDir(args.output_dir, overwrite=cfg.runtime.overwrite)  # a finished run: refused or moved aside
     # a SIGTERM outside a training step (nothing to save) marks the run "preempted" and exits 143
     with error_boundary(output), stop_on_signals(cfg.runtime.preemption, output):
         output.start(cfg.to_dict())
         logger.info("config %s -> output dir %s", cfg.source, args.output_dir)
 
         resume = resolve_resume(cfg.runtime.resume, args)  # newest *complete* checkpoint, same on every rank
-        moved = output.set_aside_events(resuming=resume is not None)  # a fresh run reports only its own events
-        if moved is not None:
-            logger.info("an earlier run's stability events were moved to %s", moved.name)
+        output.set_aside_events(resuming=resume is not None)  # a fresh run reports only its own events
 
         # 1. base model, tokenizer
         base = resolve_base(cfg.model)  # a directory or Hub id (an embedded base is built by now)

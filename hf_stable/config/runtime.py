@@ -73,6 +73,14 @@ class RuntimeConfig:
         ),
     )
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    overwrite: bool = field(
+        default=False,
+        metadata=_h(
+            "A new run into an output_dir that holds a finished run (run_summary.json): false stops with a message "
+            "and changes nothing; true moves the finished run's files to <output_dir>/replaced-<time>/ (nothing is "
+            "deleted) and starts fresh."
+        ),
+    )
 
     def validate(self) -> list[str]:
         if not self.resume.strip():
