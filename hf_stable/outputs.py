@@ -188,10 +188,12 @@ class OutputDir:
         return self._record(record)
 
     def preempted(self, signal_name: str, **fields) -> str | None:
-        """Record a stop by `signal_name` in RUN_INCOMPLETE.json (main process): status "preempted", the newest
+        """Record a stop by `signal_name` in RUN_INCOMPLETE.json (main process): status "preempted" ("interrupted"
+        for SIGINT, Ctrl-C), the newest
         complete checkpoint (None: a rerun starts from the beginning) and `fields`. Never raises."""
         found = self._last_complete()
-        record = {"status": "preempted", "started": self.started, "signal": signal_name, **fields}
+        status = "interrupted" if signal_name == "SIGINT" else "preempted"  # Ctrl-C: a person stopped it
+        record = {"status": status, "started": self.started, "signal": signal_name, **fields}
         record.setdefault("checkpoint", str(found) if found else None)
         return self._record(record)
 
@@ -296,11 +298,16 @@ def error_boundary(output: OutputDir | None = None):
         print_once_per_job(f"error: {e}" + (f"\n  ({note})" if note else ""), rank_local=e.rank_local, code=code)
         raise SystemExit(code) from None
     except Preempted as e:
+        note = e.note or "stopped outside a training step: nothing was saved"
         if output is not None:
-            output.preempted(e.signal_name, step=None, note="stopped outside a training step: nothing was saved")
+            output.preempted(e.signal_name, step=None, note=note)
         hint = output.resume_hint() if output is not None else "it starts from the beginning"
+        word = "interrupted" if e.signal_name == "SIGINT" else "preempted"
+        what = (
+            f"{note.partition(':')[0]}, nothing saved" if e.note else f"{e} outside a training step, nothing to save"
+        )
         if is_main_process() and not (output is not None and output.finished):
-            print(f"\npreempted: {e} outside a training step, nothing to save; rerun the same command: {hint}")
+            print(f"\n{word}: {what}; rerun the same command: {hint}")
             sys.stdout.flush()
         raise SystemExit(e.exit_code) from None
     except (SystemExit, KeyboardInterrupt):

@@ -91,7 +91,10 @@ def test_launcher_reads_the_runs_preemption_settings(tmp_path):
     cfg.write_text("# t\nruntime:\n  preemption:\n    signals: [SIGUSR1]\n    grace_seconds: 300\n")
     pre = preemption_settings(["--config", str(cfg), "--runtime.preemption.exit_code", "99", "--lora.r", "4"])
     assert (pre.signals, pre.grace_seconds, pre.exit_code) == (["SIGUSR1"], 300, 99)
-    assert preemption_settings(["--config", str(tmp_path / "missing.yaml")]).signals == ["SIGTERM"]  # defaults
+    assert preemption_settings(["--config", str(tmp_path / "missing.yaml")]).signals == [
+        "SIGTERM",
+        "SIGINT",
+    ]  # defaults
 
 
 def test_launcher_exit_status_follows_the_workers():
@@ -111,6 +114,10 @@ def test_launcher_exit_status_follows_the_workers():
     assert exit_code_for(subprocess.CalledProcessError(-9, ["python"]), state) == 137  # worker killed by SIGKILL
     assert exit_code_for(SignalException("x", sigval=signal.SIGTERM), state) == 143
     assert exit_code_for(SignalException("x", sigval=signal.SIGINT), state) == 130  # not a preemption signal
+    ctrl_c = SimpleNamespace(preemption_signals=("SIGTERM", "SIGINT"), exit_code=143)
+    assert exit_code_for(SignalException("x", sigval=signal.SIGINT), ctrl_c) == 130  # Ctrl-C: saved, then 130
+    assert exit_code_for(SignalException("x", sigval=signal.SIGTERM), ctrl_c) == 143
+    assert exit_code_for(failed(130, 130), ctrl_c) == 130 and exit_code_for(failed(-15, 130), ctrl_c) == 130
     assert exit_code_for(failed(2, 2), state) == 2
     assert exit_code_for(failed(143, 143), state) == 143
     # one preempted rank left first and the agent stopped the other, still exiting (seen under DeepSpeed)
