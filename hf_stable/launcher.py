@@ -185,6 +185,31 @@ def _exit_last() -> None:
         os._exit(_state.exit_with)
 
 
+# accelerate's launcher lists the launch values it filled in itself; for one process on one machine these are the
+# values hf_stable's recipe runs with (the recipe's YAML decides precision and compilation): a block of noise on the
+# README's launch. Any other filled-in value (several processes, CPU threads, several GPUs found) keeps the block.
+_ACCELERATE_DEFAULTS = "The following values were not passed to `accelerate launch` and had defaults used instead:"
+_PLAIN_DEFAULTS = (
+    "\t`--num_processes` was set to a value of `0`",  # no GPU: accelerate's count of CUDA devices; one process runs
+    "\t`--num_processes` was set to a value of `1`",
+    "\t`--num_machines` was set to a value of `1`",
+    "\t`--mixed_precision` was set to a value of `'no'`",
+    "\t`--dynamo_backend` was set to a value of `'no'`",
+)
+
+
+class PlainLaunchDefaults:
+    """A `logging` filter for accelerate's launch logger that drops its defaults block when it lists only the plain
+    one-process defaults above (see `_PLAIN_DEFAULTS`)."""
+
+    def filter(self, record) -> bool:
+        text = record.getMessage()
+        if not text.startswith(_ACCELERATE_DEFAULTS):
+            return True
+        listed = [line for line in text.splitlines()[1:] if not line.startswith("To avoid this warning")]
+        return not all(line in _PLAIN_DEFAULTS for line in listed)
+
+
 def install_in_launcher(launch: Launch) -> None:
     """Forward signals to the workers, wait for them, and exit with their status (see the module docstring)."""
     global _state
@@ -205,6 +230,10 @@ def install_in_launcher(launch: Launch) -> None:
         signal.signal(signal.Signals[name], _forward)
     sys.excepthook = _excepthook(sys.excepthook)
     atexit.register(_exit_last)
+    if launch.launcher.startswith("accelerate"):
+        import logging
+
+        logging.getLogger("accelerate.commands.launch").addFilter(PlainLaunchDefaults())
 
 
 # ---- worker side --------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from hf_stable.embeddings import handle_untrained_tokens, save_repair, trainable
 from hf_stable.evaluation import evaluate_run, results_line
 from hf_stable.export.exporter import export_after_training
 from hf_stable.export.reference import record_after_training
+from hf_stable.first_screen import quiet_first_screen
 from hf_stable.logging import get_logger, is_main_process, print_main
 from hf_stable.modeling import apply_lora, count_parameters, load_model, load_tokenizer, resolve_base
 from hf_stable.optim import build_optimizer, format_group_table, group_table, trainer_optimizer_arguments
@@ -46,6 +47,7 @@ def main(argv: list[str]) -> None:
     started = time.time()
     with error_boundary():
         cfg = load_config(argv=argv)
+        quiet_first_screen(cfg)  # other libraries' notices that are wrong for this run (DeepSpeed's CPU line, ...)
         # an embedded base is built (ranks share one build through a file lock) before TrainingArguments: with a ZeRO-3
         # config every model construction after them is a collective that a rank building alone would hang in
         if cfg.model.is_embedded:
