@@ -284,7 +284,8 @@ def error_boundary(output: OutputDir | None = None):
     A full disk (ENOSPC / EDQUOT, however the library that hit it wraps it, or any failed save while the output
     dir's filesystem is nearly full: `hf_stable.full_disk`) is reported first, in one line naming the error, the
     free space and the checkpoint a rerun resumes from, with exit code 1 and no traceback. A termination signal
-    outside a training step (`Preempted`, see `stop_on_signals`) marks the run "preempted" and exits with its code.
+    outside a training step (`Preempted`, see `stop_on_signals`) marks the run "preempted" and exits with its code;
+    Ctrl-C before the handlers exist (a `KeyboardInterrupt`) marks it "interrupted" and exits 130, with one line.
     With several ranks, a rank whose collective lost another rank (gloo "Connection closed by peer") says so in one
     `hf_stable:` line, exit code 1: the rank that left says why. Any other exception is a bug: it is recorded in the
     output dir and re-raised with its traceback. A message is printed once per job (see `print_once_per_job`).
@@ -310,7 +311,18 @@ def error_boundary(output: OutputDir | None = None):
             print(f"\n{word}: {what}; rerun the same command: {hint}")
             sys.stdout.flush()
         raise SystemExit(e.exit_code) from None
-    except (SystemExit, KeyboardInterrupt):
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers exist (loading the config, building the base)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # its copy from the launcher must not interrupt this exit
+        note = "Ctrl-C before training: nothing was saved"
+        if output is not None:
+            output.preempted("SIGINT", step=None, note=note)
+        if is_main_process() and not (output is not None and output.finished):
+            hint = output.resume_hint() if output is not None else "it starts from the beginning"
+            print(
+                f"\ninterrupted: Ctrl-C before training, nothing to save; rerun the same command: {hint}", flush=True
+            )
+        raise SystemExit(130) from None
+    except SystemExit:
         raise
     except BaseException as e:
         if output is not None and disk_full(e, output.path):

@@ -194,6 +194,16 @@ def test_ctrl_c_is_acknowledged_deduplicated_and_a_second_press_stops_at_once(tm
     assert stop.value.code == 130 and json.loads((out.path / INCOMPLETE_FILE).read_text())["status"] == "interrupted"
     assert "interrupted: SIGINT received outside a training step, nothing to save" in capfd.readouterr().out
 
+    # before any handler exists (loading the config, building the base): a KeyboardInterrupt, said the same way
+    try:
+        with pytest.raises(SystemExit) as stop, error_boundary(out):
+            raise KeyboardInterrupt
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert stop.value.code == 130 and json.loads((out.path / INCOMPLETE_FILE).read_text())["status"] == "interrupted"
+    captured = capfd.readouterr()
+    assert "interrupted: Ctrl-C before training, nothing to save" in captured.out and "Traceback" not in captured.err
+
 
 _BLOCKED = """
 import ctypes, os, signal, sys, threading
