@@ -175,6 +175,7 @@ class PreemptionCallback(StabilityCallback):
         if threading.current_thread() is not threading.main_thread():
             logger.warning("preemption: the Trainer runs outside the main thread, so signals cannot be handled")
             return
+        _last["signum"] = None  # a new run of handlers: nothing taken yet is a copy of an earlier request
         for signum in self._signums:
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -289,6 +290,7 @@ def stop_on_signals(config: PreemptionConfig | None = None, output=None):
         raise Preempted(name, stop_exit_code(name, exit_code))
 
     previous, ours, wakeup, old_fd = {}, {}, None, -1
+    _last["signum"] = None
     try:
         for name in handled:
             signum = PreemptionCallback._signum(name)
