@@ -60,12 +60,14 @@ class Preempted(BaseException):
 
     Args:
         signal_name: e.g. "SIGTERM".
-        exit_code: the exit status the run ends with (`runtime.preemption.exit_code`).
+        exit_code: the exit status the run ends with (`runtime.preemption.exit_code`; 130 for SIGINT).
+        note: what happened, for RUN_INCOMPLETE.json (default: stopped outside a training step, nothing saved).
     """
 
-    def __init__(self, signal_name: str, exit_code: int = 143):
+    def __init__(self, signal_name: str, exit_code: int = 143, note: str | None = None):
         super().__init__(f"{signal_name} received")
         self.signal_name, self.exit_code = signal_name, int(exit_code)
+        self.note = note  # what was saved, when it is not "stopped outside a training step: nothing was saved"
 
 
 class MissingDependencyError(HfStableError, ImportError):

@@ -135,7 +135,7 @@ def exit_code_for(exc: BaseException, state: _LauncherState) -> int | None:
 
     * `CalledProcessError` (accelerate, one process): the worker's status (128 + N when a signal killed it).
     * `SignalException` (torch elastic forwarded a signal and waited): the preemption exit code when the
-      signal is a preemption signal, else 128 + the signal.
+      signal is a preemption signal, else 128 + the signal (SIGINT, Ctrl-C: always 130).
     * `ChildFailedError` (torch elastic, a worker failed): 2 when the first failure is a config/data error
       (exit 2), the preemption exit code when every failure is that code, or that code on some workers and, on
       the others, the SIGTERM the agent sends the rest once one worker has exited (a preempted rank that left
@@ -147,7 +147,9 @@ def exit_code_for(exc: BaseException, state: _LauncherState) -> int | None:
         return code if code > 0 else 128 - code
     if name == "SignalException":
         sig = signal.Signals(int(getattr(exc, "sigval", signal.SIGTERM)))
-        return state.exit_code if sig.name in state.preemption_signals else 128 + int(sig)
+        if sig.name in state.preemption_signals and sig != signal.SIGINT:
+            return state.exit_code
+        return 128 + int(sig)  # Ctrl-C: 130 whether the workers saved (a preemption signal) or not
     if name == "ChildFailedError":
         failures = getattr(exc, "failures", None) or {}
         codes = [getattr(f, "exitcode", None) for f in failures.values()]
@@ -158,8 +160,9 @@ def exit_code_for(exc: BaseException, state: _LauncherState) -> int | None:
         if first == 2:
             return 2
         terminated = -int(signal.SIGTERM)  # how elastic reports a worker it stopped itself
-        if state.exit_code in codes and all(c in (state.exit_code, terminated) for c in codes):
-            return state.exit_code
+        for stopped in (state.exit_code, 128 + int(signal.SIGINT)):  # a preemption, a Ctrl-C (130)
+            if stopped in codes and all(c in (stopped, terminated) for c in codes):
+                return stopped
     return None
 
 
@@ -182,6 +185,31 @@ def _exit_last() -> None:
         os._exit(_state.exit_with)
 
 
+# accelerate's launcher lists the launch values it filled in itself; for one process on one machine these are the
+# values hf_stable's recipe runs with (the recipe's YAML decides precision and compilation): a block of noise on the
+# README's launch. Any other filled-in value (several processes, CPU threads, several GPUs found) keeps the block.
+_ACCELERATE_DEFAULTS = "The following values were not passed to `accelerate launch` and had defaults used instead:"
+_PLAIN_DEFAULTS = (
+    "\t`--num_processes` was set to a value of `0`",  # no GPU: accelerate's count of CUDA devices; one process runs
+    "\t`--num_processes` was set to a value of `1`",
+    "\t`--num_machines` was set to a value of `1`",
+    "\t`--mixed_precision` was set to a value of `'no'`",
+    "\t`--dynamo_backend` was set to a value of `'no'`",
+)
+
+
+class PlainLaunchDefaults:
+    """A `logging` filter for accelerate's launch logger that drops its defaults block when it lists only the plain
+    one-process defaults above (see `_PLAIN_DEFAULTS`)."""
+
+    def filter(self, record) -> bool:
+        text = record.getMessage()
+        if not text.startswith(_ACCELERATE_DEFAULTS):
+            return True
+        listed = [line for line in text.splitlines()[1:] if not line.startswith("To avoid this warning")]
+        return not all(line in _PLAIN_DEFAULTS for line in listed)
+
+
 def install_in_launcher(launch: Launch) -> None:
     """Forward signals to the workers, wait for them, and exit with their status (see the module docstring)."""
     global _state
@@ -202,6 +230,10 @@ def install_in_launcher(launch: Launch) -> None:
         signal.signal(signal.Signals[name], _forward)
     sys.excepthook = _excepthook(sys.excepthook)
     atexit.register(_exit_last)
+    if launch.launcher.startswith("accelerate"):
+        import logging
+
+        logging.getLogger("accelerate.commands.launch").addFilter(PlainLaunchDefaults())
 
 
 # ---- worker side --------------------------------------------------------------------------------------

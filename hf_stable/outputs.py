@@ -35,7 +35,9 @@ from hf_stable.core.events import EVENTS_FILE
 from hf_stable.errors import HfStableError, Preempted
 from hf_stable.forensics.quarantine import QUARANTINE_FILE
 from hf_stable.full_disk import describe_free, disk_full, errors_in_chain
-from hf_stable.logging import is_main_process, process_rank
+from hf_stable.logging import get_logger, is_main_process, process_rank
+
+logger = get_logger(__name__)
 
 SUMMARY_FILE = "run_summary.json"
 INCOMPLETE_FILE = "RUN_INCOMPLETE.json"
@@ -61,8 +63,9 @@ def describe_os_error(e: OSError) -> str:
 class OutputDir:
     """Lifecycle of one run's output directory (writes happen on the main process only)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, overwrite: bool = False):
         self.path = Path(path)
+        self.overwrite = overwrite  # `runtime.overwrite`: a finished run here is moved aside instead of refused
         self.started = time.time()
         self.finished = False
 
@@ -79,13 +82,29 @@ class OutputDir:
         problem = None
         if is_main_process():
             try:
-                self._prepare(config)
+                problem = self._finished_run()
+                if problem is None:
+                    self._prepare(config)
             except OSError as e:
                 problem = self._start_problem(e)
         problem = broadcast_object(problem)
         if problem:
             raise OutputDirError(problem)
         return self
+
+    def _finished_run(self) -> str | None:
+        """A finished run in the directory: refused (the message), or moved aside with `overwrite` (see
+        `hf_stable.finished_run`)."""
+        from hf_stable import finished_run
+
+        when = finished_run.finished_at(self.path)
+        if when is None:
+            return None
+        if not self.overwrite:
+            return finished_run.refusal(self.path, when)
+        target, names = finished_run.move_aside(self.path, when)
+        print(finished_run.replaced_line(self.path, when, target, names), flush=True)
+        return None
 
     def _prepare(self, config: dict) -> None:
         if self.path.exists() and not self.path.is_dir():
@@ -123,6 +142,7 @@ class OutputDir:
                 n += 1
                 target = self.path / f"{old.stem}.{stamp}-{n}{old.suffix}"
             old.replace(target)
+            logger.info("an earlier run's %s was moved to %s", name, target.name)  # each moved file said once
             moved = target if name == EVENTS_FILE else moved
         return moved
 
@@ -168,10 +188,12 @@ class OutputDir:
         return self._record(record)
 
     def preempted(self, signal_name: str, **fields) -> str | None:
-        """Record a stop by `signal_name` in RUN_INCOMPLETE.json (main process): status "preempted", the newest
+        """Record a stop by `signal_name` in RUN_INCOMPLETE.json (main process): status "preempted" ("interrupted"
+        for SIGINT, Ctrl-C), the newest
         complete checkpoint (None: a rerun starts from the beginning) and `fields`. Never raises."""
         found = self._last_complete()
-        record = {"status": "preempted", "started": self.started, "signal": signal_name, **fields}
+        status = "interrupted" if signal_name == "SIGINT" else "preempted"  # Ctrl-C: a person stopped it
+        record = {"status": status, "started": self.started, "signal": signal_name, **fields}
         record.setdefault("checkpoint", str(found) if found else None)
         return self._record(record)
 
@@ -262,7 +284,8 @@ def error_boundary(output: OutputDir | None = None):
     A full disk (ENOSPC / EDQUOT, however the library that hit it wraps it, or any failed save while the output
     dir's filesystem is nearly full: `hf_stable.full_disk`) is reported first, in one line naming the error, the
     free space and the checkpoint a rerun resumes from, with exit code 1 and no traceback. A termination signal
-    outside a training step (`Preempted`, see `stop_on_signals`) marks the run "preempted" and exits with its code.
+    outside a training step (`Preempted`, see `stop_on_signals`) marks the run "preempted" and exits with its code;
+    Ctrl-C before the handlers exist (a `KeyboardInterrupt`) marks it "interrupted" and exits 130, with one line.
     With several ranks, a rank whose collective lost another rank (gloo "Connection closed by peer") says so in one
     `hf_stable:` line, exit code 1: the rank that left says why. Any other exception is a bug: it is recorded in the
     output dir and re-raised with its traceback. A message is printed once per job (see `print_once_per_job`).
@@ -276,14 +299,30 @@ def error_boundary(output: OutputDir | None = None):
         print_once_per_job(f"error: {e}" + (f"\n  ({note})" if note else ""), rank_local=e.rank_local, code=code)
         raise SystemExit(code) from None
     except Preempted as e:
+        note = e.note or "stopped outside a training step: nothing was saved"
         if output is not None:
-            output.preempted(e.signal_name, step=None, note="stopped outside a training step: nothing was saved")
+            output.preempted(e.signal_name, step=None, note=note)
         hint = output.resume_hint() if output is not None else "it starts from the beginning"
+        word = "interrupted" if e.signal_name == "SIGINT" else "preempted"
+        what = (
+            f"{note.partition(':')[0]}, nothing saved" if e.note else f"{e} outside a training step, nothing to save"
+        )
         if is_main_process() and not (output is not None and output.finished):
-            print(f"\npreempted: {e} outside a training step, nothing to save; rerun the same command: {hint}")
+            print(f"\n{word}: {what}; rerun the same command: {hint}")
             sys.stdout.flush()
         raise SystemExit(e.exit_code) from None
-    except (SystemExit, KeyboardInterrupt):
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers exist (loading the config, building the base)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # its copy from the launcher must not interrupt this exit
+        note = "Ctrl-C before training: nothing was saved"
+        if output is not None:
+            output.preempted("SIGINT", step=None, note=note)
+        if is_main_process() and not (output is not None and output.finished):
+            hint = output.resume_hint() if output is not None else "it starts from the beginning"
+            print(
+                f"\ninterrupted: Ctrl-C before training, nothing to save; rerun the same command: {hint}", flush=True
+            )
+        raise SystemExit(130) from None
+    except SystemExit:
         raise
     except BaseException as e:
         if output is not None and disk_full(e, output.path):

@@ -31,6 +31,7 @@ from hf_stable.embeddings import handle_untrained_tokens, save_repair, trainable
 from hf_stable.evaluation import evaluate_run, results_line
 from hf_stable.export.exporter import export_after_training
 from hf_stable.export.reference import record_after_training
+from hf_stable.first_screen import quiet_first_screen
 from hf_stable.logging import get_logger, is_main_process, print_main
 from hf_stable.modeling import apply_lora, count_parameters, load_model, load_tokenizer, resolve_base
 from hf_stable.optim import build_optimizer, format_group_table, group_table, trainer_optimizer_arguments
@@ -46,6 +47,7 @@ def main(argv: list[str]) -> None:
     started = time.time()
     with error_boundary():
         cfg = load_config(argv=argv)
+        quiet_first_screen(cfg)  # other libraries' notices that are wrong for this run (DeepSpeed's CPU line, ...)
         # an embedded base is built (ranks share one build through a file lock) before TrainingArguments: with a ZeRO-3
         # config every model construction after them is a collective that a rank building alone would hang in
         if cfg.model.is_embedded:
@@ -55,16 +57,14 @@ def main(argv: list[str]) -> None:
             cfg, remove_unused_columns=False, **guard_training_overrides(cfg.stability.guards, cfg.training)
         )
         prepare_launch(args)  # e.g. refuses N processes that would each train alone on CPU
-    output = OutputDir(args.output_dir)
+    output = OutputDir(args.output_dir, overwrite=cfg.runtime.overwrite)  # a finished run: refused or moved aside
     # a SIGTERM outside a training step (nothing to save) marks the run "preempted" and exits 143
     with error_boundary(output), stop_on_signals(cfg.runtime.preemption, output):
         output.start(cfg.to_dict())
         logger.info("config %s -> output dir %s", cfg.source, args.output_dir)
 
         resume = resolve_resume(cfg.runtime.resume, args)  # newest *complete* checkpoint, same on every rank
-        moved = output.set_aside_events(resuming=resume is not None)  # a fresh run reports only its own events
-        if moved is not None:
-            logger.info("an earlier run's stability events were moved to %s", moved.name)
+        output.set_aside_events(resuming=resume is not None)  # a fresh run reports only its own events
 
         # 1. base model, tokenizer
         base = resolve_base(cfg.model)  # a directory or Hub id (an embedded base is built by now)

@@ -175,3 +175,61 @@ def test_a_huge_value_in_a_message_is_cut():
         load_config(argv=["--lora.r", "x" * 100_000])
     (line,) = err.value.problems
     assert line.startswith("lora.r: got 'xxx") and "expected an integer" in line and len(line) < 200
+
+
+def test_override_problems_are_located_on_the_command_line(tmp_path):
+    # a typo in an override is the command line's, not the recipe file's (often the packaged default.yaml)
+    with pytest.raises(ConfigError) as exc:
+        load_config(argv=["--lora.rank", "8"])
+    msg = str(exc.value)
+    assert msg.startswith("1 configuration problem(s) in the command-line arguments:"), msg
+    assert "default.yaml" not in msg and "lora.rank: unknown key, did you mean r?" in msg, msg
+    # one problem from the file, one from the command line: each said where it is
+    p = tmp_path / "c.yaml"
+    p.write_text("# t\nlora:\n  r: zero\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(p, argv=["--training.learning_rat", "1"])
+    msg = str(exc.value)
+    assert f"in {p} and the command-line arguments:" in msg, msg
+    assert "lora.r: got 'zero', expected an integer\n" in msg + "\n", msg
+    assert "training.learning_rat: not a TrainingArguments field (did you mean learning_rate?) [command-line" in msg
+
+
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [
+        ("lora.rank", "r"),
+        ("data.on_bad_records", "on_bad_record"),
+        ("runtime.resum", "resume"),
+        ("optim.nmae", "name"),
+    ],
+)
+def test_did_you_mean_in_every_section(key, meant):
+    with pytest.raises(ConfigError) as exc:
+        load_config(argv=[f"--{key}", "1"])
+    assert f"{key}: unknown key, did you mean {meant}?" in str(exc.value), str(exc.value)
+
+
+def test_unknown_key_far_from_any_field_gets_no_guess():
+    with pytest.raises(ConfigError) as exc:
+        load_config(argv=["--lora.zzzzzz", "1"])
+    assert "lora.zzzzzz: unknown key (allowed in 'lora':" in str(exc.value)
+
+
+def test_missing_engine_package_is_one_config_problem(monkeypatch, capsys):
+    from hf_stable import import_utils
+    from hf_stable.outputs import error_boundary
+
+    argv = ["--training.deepspeed", "configs/deepspeed/zero2.json"]
+    load_config(argv=argv)  # installed here: no problem (no false alarm)
+    # DeepSpeed uninstalled (the default setup without the extra): what transformers met as PackageNotFoundError
+    monkeypatch.setattr(import_utils, "is_deepspeed_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_, error_boundary():
+        load_config(argv=argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    assert err.startswith("error: 1 configuration problem(s) in the command-line arguments:"), err
+    assert (
+        "training.deepspeed: 'configs/deepspeed/zero2.json' needs DeepSpeed, which is not installed: pip install \"hf-stable[deepspeed]\""
+        in err
+    )

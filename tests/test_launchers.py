@@ -41,18 +41,18 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _stopped_cleanly(stop: dict, step: int, ranks: int) -> list[str]:
+def _stopped_cleanly(stop: dict, step: int, ranks: int, code: int = 143, status: str = "preempted") -> list[str]:
     """What is wrong with a launch that a signal to its launcher should have stopped after `step`."""
     run, problems = stop["run"], []
-    if run.returncode != 143:
-        problems.append(f"launcher exit {run.returncode}, not 143")
+    if run.returncode != code:
+        problems.append(f"launcher exit {run.returncode}, not {code}")
     if "Traceback" in run.stderr:
         problems.append("a traceback on stderr")
-    if run.exit_codes() != dict.fromkeys(range(ranks), 143):
+    if run.exit_codes() != dict.fromkeys(range(ranks), code):
         problems.append(f"worker exits {run.exit_codes()}")
     if [r["global_step"] for r in run.ranks()] != [step] * ranks:
         problems.append(f"ranks stopped at {[r['global_step'] for r in run.ranks()]}, not {step}")
-    if (stop["status"] or {}).get("status") != "preempted" or stop["status"].get("step") != step:
+    if (stop["status"] or {}).get("status") != status or stop["status"].get("step") != step:
         problems.append(f"RUN_INCOMPLETE.json is {stop['status']}")
     if checkpoint_problems(run.out / f"checkpoint-{step}"):
         problems.append(f"checkpoint-{step}: {checkpoint_problems(run.out / f'checkpoint-{step}')}")
@@ -91,7 +91,10 @@ def test_launcher_reads_the_runs_preemption_settings(tmp_path):
     cfg.write_text("# t\nruntime:\n  preemption:\n    signals: [SIGUSR1]\n    grace_seconds: 300\n")
     pre = preemption_settings(["--config", str(cfg), "--runtime.preemption.exit_code", "99", "--lora.r", "4"])
     assert (pre.signals, pre.grace_seconds, pre.exit_code) == (["SIGUSR1"], 300, 99)
-    assert preemption_settings(["--config", str(tmp_path / "missing.yaml")]).signals == ["SIGTERM"]  # defaults
+    assert preemption_settings(["--config", str(tmp_path / "missing.yaml")]).signals == [
+        "SIGTERM",
+        "SIGINT",
+    ]  # defaults
 
 
 def test_launcher_exit_status_follows_the_workers():
@@ -111,6 +114,10 @@ def test_launcher_exit_status_follows_the_workers():
     assert exit_code_for(subprocess.CalledProcessError(-9, ["python"]), state) == 137  # worker killed by SIGKILL
     assert exit_code_for(SignalException("x", sigval=signal.SIGTERM), state) == 143
     assert exit_code_for(SignalException("x", sigval=signal.SIGINT), state) == 130  # not a preemption signal
+    ctrl_c = SimpleNamespace(preemption_signals=("SIGTERM", "SIGINT"), exit_code=143)
+    assert exit_code_for(SignalException("x", sigval=signal.SIGINT), ctrl_c) == 130  # Ctrl-C: saved, then 130
+    assert exit_code_for(SignalException("x", sigval=signal.SIGTERM), ctrl_c) == 143
+    assert exit_code_for(failed(130, 130), ctrl_c) == 130 and exit_code_for(failed(-15, 130), ctrl_c) == 130
     assert exit_code_for(failed(2, 2), state) == 2
     assert exit_code_for(failed(143, 143), state) == 143
     # one preempted rank left first and the agent stopped the other, still exiting (seen under DeepSpeed)
@@ -228,3 +235,72 @@ def test_two_rank_reruns_end_bitwise_where_an_uninterrupted_run_ends(two_process
     assert resumed.returncode == 0, resumed.tail()
     assert "checkpoint-4" in resumed.output
     assert _same(load_adapter(two_processes.out), load_adapter(ddp_reference_run().out))
+
+
+# ---- Ctrl-C: SIGINT to the launch's process group, as a terminal sends it ------------------------------------------
+
+
+def _interrupted_cleanly(stop: dict, step: int, ranks: int) -> list[str]:
+    """`_stopped_cleanly` for Ctrl-C: exit 130, "interrupted", the one line, no KeyboardInterrupt anywhere."""
+    run = stop["run"]
+    problems = _stopped_cleanly(stop, step=step, ranks=ranks, code=130, status="interrupted")
+    line = f"interrupted: saved {run.out / f'checkpoint-{step}'} at step {step}; rerun the same command to resume"
+    if run.output.count(line) != 1:
+        problems.append(f"not once: {line!r}")
+    if "Traceback" in run.output or "KeyboardInterrupt" in run.output:
+        problems.append("a traceback or KeyboardInterrupt in the output")
+    if run.output.count("Ctrl-C: saving a checkpoint at the end of this step") != 1:
+        problems.append("the press was not acknowledged exactly once")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def ctrl_c_one_process(tmp_path_factory):
+    """Ctrl-C to `accelerate launch` (one process; the worker gets the press and the launcher's copy) after step 2,
+    with the default recipe's `save_strategy: "no"`; then the same command again, to the end."""
+    out = tmp_path_factory.mktemp("ctrl_c1") / "out"
+    args = recipe_args(out)  # no save_steps: the default recipe saves no checkpoints, Ctrl-C saves one anyway
+    stop = signal_launcher(args, out, signal.SIGINT, after_step=2, launcher="accelerate", tag="int", group=True)
+    resumed = launch(args, out, launcher="accelerate", tag="resume")
+    return SimpleNamespace(out=out, stop=stop, resumed=resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ctrl_c_under_accelerate_launch_saves_says_one_line_and_exits_130(ctrl_c_one_process):
+    stop = ctrl_c_one_process.stop
+    assert _interrupted_cleanly(stop, step=3, ranks=1) == [], stop["run"].tail()
+    assert stop["status"]["signal"] == "SIGINT"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ctrl_c_rerun_ends_bitwise_where_an_uninterrupted_run_ends(ctrl_c_one_process):
+    resumed = ctrl_c_one_process.resumed
+    assert resumed.returncode == 0 and "resuming from" in resumed.output and "checkpoint-3" in resumed.output
+    assert _same(load_adapter(ctrl_c_one_process.out), load_adapter(baseline_run().out)), resumed.tail()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_ctrl_c_under_accelerate_launch_two_processes(tmp_path):
+    """Two ranks (torch elastic inside accelerate: the workers run in their own sessions, so the press reaches the
+    launcher, which forwards it): both save the same step, exit 130, and the rerun ends where the reference ends."""
+    out = tmp_path / "out"
+    args = ddp_args(out)
+    stop = signal_launcher(
+        args,
+        out,
+        signal.SIGINT,
+        after_step=1,
+        nproc=2,
+        launcher="accelerate",
+        accelerate_config=CPU_2PROC,
+        tag="int",
+        group=True,
+    )
+    assert _interrupted_cleanly(stop, step=2, ranks=2) == [], stop["run"].tail()
+    resumed = launch(args, out, nproc=2, accelerate_config=CPU_2PROC, launcher="accelerate", tag="resume")
+    assert resumed.returncode == 0 and "checkpoint-2" in resumed.output, resumed.tail()
+    assert _same(load_adapter(out), load_adapter(ddp_reference_run().out))

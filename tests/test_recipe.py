@@ -143,6 +143,19 @@ def test_adapter_reload_gives_identical_logits_and_merge_matches(llama_run):
     torch.testing.assert_close(merged_logits, adapted, atol=1e-5, rtol=1e-5)
 
 
+def test_the_same_command_into_a_finished_run_stops_with_one_line(llama_run):
+    out, _ = llama_run
+    tmp = out.parent
+    adapter = (out / "adapter_model.safetensors").read_bytes()
+    proc = run_recipe(tiny_overrides(tmp, "llama"))  # the same command again, into the finished run's dir
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc_tail(proc)
+    assert errors[0].startswith(f"error: training.output_dir: {out} holds a finished run"), errors
+    assert "--runtime.overwrite true" in errors[0] and f"--training.output_dir {out}-2" in errors[0]
+    assert (out / "adapter_model.safetensors").read_bytes() == adapter and (out / "run_summary.json").is_file()
+    assert not (out / "RUN_INCOMPLETE.json").exists() and not list(out.glob("replaced-*"))
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_recipe_runs_on_qwen_bases(tmp_path, arch):
     proc = run_recipe(tiny_overrides(tmp_path, arch, steps=4, n_train=48))

@@ -111,6 +111,8 @@ def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, caps
     from hf_stable.config.runtime import PreemptionConfig
     from hf_stable.outputs import INCOMPLETE_FILE, OutputDir, error_boundary
 
+    # each raise_signal below is a new request, not a copy of the one before (those arrive within milliseconds)
+    monkeypatch.setattr(preemption_callback, "DUPLICATE_SECONDS", 0.0)
     with stop_on_signals(PreemptionConfig(enabled=False)) as handled:
         assert handled == []
     out = OutputDir(tmp_path / "run").start({})
@@ -152,6 +154,55 @@ def test_a_signal_outside_a_training_step_marks_the_run_preempted(tmp_path, caps
         signal.raise_signal(signal.SIGUSR1)
     assert (out.path / "run_summary.json").is_file() and not (out.path / INCOMPLETE_FILE).exists()
     assert "preempted" not in capsys.readouterr().out
+
+
+def test_ctrl_c_is_acknowledged_deduplicated_and_a_second_press_stops_at_once(tmp_path, capfd, monkeypatch):
+    """Ctrl-C is a preemption: the first press is acknowledged once (its copy from the launcher is the same press),
+    and a press after that stops the run at once, marked "interrupted", exit 130, one line and no traceback."""
+    from hf_stable.callbacks import preemption_callback
+    from hf_stable.callbacks.preemption_callback import PreemptionCallback, stop_on_signals
+    from hf_stable.config.runtime import PreemptionConfig
+    from hf_stable.outputs import INCOMPLETE_FILE, OutputDir, error_boundary
+
+    assert PreemptionConfig().signals == ["SIGTERM", "SIGINT"]  # Ctrl-C among the defaults
+    out = OutputDir(tmp_path / "run").start({})
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(SystemExit) as stop, error_boundary(out), stop_on_signals(PreemptionConfig(), out):
+        during = PreemptionCallback()
+        during._install()
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the same press again (terminal + launcher): no KeyboardInterrupt
+        assert during.pending and signal.getsignal(signal.SIGINT) == during._handle
+        ack = capfd.readouterr().out
+        assert ack.count("Ctrl-C: saving a checkpoint at the end of this step") == 1, ack
+        monkeypatch.setattr(preemption_callback, "DUPLICATE_SECONDS_INTERACTIVE", 0.0)  # the person presses again
+        signal.raise_signal(signal.SIGINT)
+        pytest.fail("the second press did not stop the run")
+    assert stop.value.code == 130 and signal.getsignal(signal.SIGINT) == before
+    status = json.loads((out.path / INCOMPLETE_FILE).read_text())
+    assert status["status"] == "interrupted" and status["signal"] == "SIGINT", status
+    captured = capfd.readouterr()
+    lines = [line for line in captured.out.splitlines() if line.strip()]
+    expected = "interrupted: a second Ctrl-C stopped it at once, nothing saved; rerun the same command: it starts "
+    assert lines == [expected + "from the beginning (no complete checkpoint)"], captured
+    assert "Traceback" not in captured.err and "KeyboardInterrupt" not in captured.err
+
+    # outside a training step (loading, evaluating) Ctrl-C stops at once too: "interrupted", 130
+    monkeypatch.setattr(preemption_callback, "DUPLICATE_SECONDS_INTERACTIVE", 0.0)
+    with pytest.raises(SystemExit) as stop, error_boundary(out), stop_on_signals(PreemptionConfig(), out):
+        signal.raise_signal(signal.SIGINT)
+    assert stop.value.code == 130 and json.loads((out.path / INCOMPLETE_FILE).read_text())["status"] == "interrupted"
+    assert "interrupted: SIGINT received outside a training step, nothing to save" in capfd.readouterr().out
+
+    # before any handler exists (loading the config, building the base): a KeyboardInterrupt, said the same way
+    try:
+        with pytest.raises(SystemExit) as stop, error_boundary(out):
+            raise KeyboardInterrupt
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert stop.value.code == 130 and json.loads((out.path / INCOMPLETE_FILE).read_text())["status"] == "interrupted"
+    captured = capfd.readouterr()
+    assert "interrupted: Ctrl-C before training, nothing to save" in captured.out and "Traceback" not in captured.err
 
 
 _BLOCKED = """

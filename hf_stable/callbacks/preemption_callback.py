@@ -20,6 +20,14 @@ The grace period must cover the rest of one optimizer step plus one checkpoint s
 same signal within `DUPLICATE_SECONDS` is the same request arriving twice (a process-group kill plus the
 launcher forwarding it, see `hf_stable.launcher`) and is ignored; a later one gives up and lets the previous
 handler (normally: die) run.
+
+Ctrl-C (SIGINT, in the default signals) is the same request made by a person: the first press is acknowledged at
+once on the main process ("Ctrl-C: saving a checkpoint at the end of this step ..."), the run saves at the next
+step boundary (whatever `save_strategy` says), is marked "interrupted" and exits 130, the shell's status for
+Ctrl-C. A terminal sends one press to the whole foreground process group, so under `accelerate launch` with one
+process the worker gets it from the terminal and again from the launcher within milliseconds; the duplicate window
+for SIGINT is `DUPLICATE_SECONDS_INTERACTIVE`, short enough that a second press after the acknowledgement is a
+second press: it stops the run at once, without saving, marked "interrupted" (exit 130, no traceback).
 """
 
 from __future__ import annotations
@@ -33,13 +41,49 @@ import time
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.config.runtime import PreemptionConfig
-from hf_stable.distributed import all_reduce_flag, shutdown
+from hf_stable.distributed import all_reduce_scalar, shutdown
 from hf_stable.errors import Preempted
-from hf_stable.logging import get_logger, print_main
+from hf_stable.logging import get_logger, is_main_process, print_main
 
 logger = get_logger(__name__)
 
 DUPLICATE_SECONDS = 5.0
+DUPLICATE_SECONDS_INTERACTIVE = 1.0  # SIGINT: a person reads the acknowledgement before pressing again
+INTERRUPT_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+
+# The last signal any handler of this module took, shared by the training-step handler and `stop_on_signals`: the
+# duplicate of a press can arrive after training ended and the other handler is back (a save done within the window)
+_last: dict = {"signum": None, "at": 0.0}
+
+
+def _window(signum: int) -> float:
+    return DUPLICATE_SECONDS_INTERACTIVE if signum == signal.SIGINT else DUPLICATE_SECONDS
+
+
+def _duplicate(signum: int) -> bool:
+    """True when `signum` is a copy of the last signal taken (same number, within its window); else records it."""
+    now = time.monotonic()
+    if _last["signum"] == signum and now - _last["at"] < _window(signum):
+        return True
+    _last["signum"], _last["at"] = signum, now
+    return False
+
+
+def stop_word(signal_name: str) -> str:
+    """How a stop by `signal_name` is called in messages and RUN_INCOMPLETE.json: Ctrl-C "interrupted" a run, any
+    other signal "preempted" it."""
+    return "interrupted" if signal_name == "SIGINT" else "preempted"
+
+
+def stop_exit_code(signal_name: str, configured: int) -> int:
+    """The exit status after a stop by `signal_name`: 130 for Ctrl-C (the shell's convention), else `configured`."""
+    return INTERRUPT_EXIT_CODE if signal_name == "SIGINT" else int(configured)
+
+
+def _say(text: str) -> None:
+    # from a signal handler: straight to the file descriptor (print could re-enter a write the handler interrupted)
+    with contextlib.suppress(OSError):
+        os.write(sys.stdout.fileno(), text.encode())
 
 
 class PreemptionCallback(StabilityCallback):
@@ -70,7 +114,10 @@ class PreemptionCallback(StabilityCallback):
         self._received_at = 0.0
         self._previous: dict[int, object] = {}
         self._stopped_at: int | None = None
+        self._stop_signal: str | None = None  # the signal every rank agreed on at the stop
         self._preemptions = 0
+        self._owner = os.getpid()
+        self._main = True
 
     @staticmethod
     def _signum(name: str) -> int:
@@ -103,9 +150,14 @@ class PreemptionCallback(StabilityCallback):
     def _handle(self, signum, frame) -> None:
         # Only set a flag: the handler runs between two bytecodes of the training step, anything more
         # (a collective, a save) could run in the middle of a backward pass.
-        if self._received == signum:
-            if time.monotonic() - self._received_at < DUPLICATE_SECONDS:
-                return
+        if os.getpid() != self._owner:  # a forked DataLoader worker: its parent stops it
+            return
+        if _duplicate(signum):
+            return
+        if self._received == signum:  # asked again, after the acknowledgement / the duplicate window
+            if signum == signal.SIGINT:
+                raise Preempted("SIGINT", INTERRUPT_EXIT_CODE, note="a second Ctrl-C stopped it at once")
+            _last["signum"] = None  # the previous handler (`stop_on_signals`) must not take it for a duplicate
             previous = self._previous.get(signum, signal.SIG_DFL)
             signal.signal(signum, previous)
             if callable(previous):
@@ -114,11 +166,16 @@ class PreemptionCallback(StabilityCallback):
                 os.kill(os.getpid(), signum)
             return
         self._received, self._received_at = signum, time.monotonic()
+        if signum == signal.SIGINT and self._main:
+            _say(
+                "\nCtrl-C: saving a checkpoint at the end of this step (Ctrl-C again stops at once, without saving)\n"
+            )
 
     def _install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             logger.warning("preemption: the Trainer runs outside the main thread, so signals cannot be handled")
             return
+        _last["signum"] = None  # a new run of handlers: nothing taken yet is a copy of an earlier request
         for signum in self._signums:
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -130,22 +187,28 @@ class PreemptionCallback(StabilityCallback):
     # --- Trainer hooks -------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
-        self._received, self._stopped_at = None, None
+        self._received, self._stopped_at, self._stop_signal = None, None, None
+        self._owner, self._main = os.getpid(), is_main_process()
         if self.enabled:
             self._install()
 
     def on_step_end(self, args, state, control, **kwargs):
-        # Every rank calls the all-reduce at every optimizer step, whether or not it got a signal.
-        if self.enabled and self._stopped_at is None and all_reduce_flag(self._received is not None):
-            control.should_save = True
+        # Every rank calls the all-reduce at every optimizer step, whether or not it got a signal; the agreed
+        # signal is the largest number any rank got (a SIGTERM outranks a Ctrl-C), so every rank exits alike.
+        if not self.enabled or self._stopped_at is not None:
+            return super().on_step_end(args, state, control, **kwargs)
+        agreed = int(all_reduce_scalar(float(self._received or 0), "max"))
+        if agreed:
+            control.should_save = True  # also when save_strategy is "no"
             control.should_training_stop = True
             self._stopped_at = state.global_step
+            self._stop_signal = signal.Signals(agreed).name
             self._preemptions += 1
             # The same message on every rank (only the main process writes it, but events are compared).
             self.event(
                 state.global_step,
                 "preemption",
-                f"{'/'.join(self.signals)} received: saving checkpoint-{state.global_step} and stopping; "
+                f"{self._stop_signal} received: saving checkpoint-{state.global_step} and stopping; "
                 "rerun the same command to resume",
                 severity="warning",
             )
@@ -187,11 +250,13 @@ def _exit_stuck(signum: int, exit_code: int, output) -> None:
     name = signal.Signals(signum).name
     if output is not None:
         output.preempted(name, step=None, note=f"blocked for {STUCK_SECONDS:.0f} s in a C call: nothing was saved")
-    print_main(f"\npreempted: {name} received while blocked in a C call, nothing to save; rerun the same command")
+    print_main(
+        f"\n{stop_word(name)}: {name} received while blocked in a C call, nothing to save; rerun the same command"
+    )
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(exit_code)
+    os._exit(stop_exit_code(name, exit_code))
 
 
 @contextlib.contextmanager
@@ -219,9 +284,13 @@ def stop_on_signals(config: PreemptionConfig | None = None, output=None):
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        raise Preempted(signal.Signals(signum).name, exit_code)
+        if _duplicate(signum):  # the same press or request again (process group + launcher): being handled
+            return
+        name = signal.Signals(signum).name
+        raise Preempted(name, stop_exit_code(name, exit_code))
 
     previous, ours, wakeup, old_fd = {}, {}, None, -1
+    _last["signum"] = None
     try:
         for name in handled:
             signum = PreemptionCallback._signum(name)
@@ -250,19 +319,21 @@ def exit_if_preempted(trainer, output=None) -> None:
 
     Args:
         trainer: the Trainer (its callbacks are searched for a `PreemptionCallback`).
-        output: the run's `hf_stable.outputs.OutputDir`; its RUN_INCOMPLETE.json gets status "preempted".
+        output: the run's `hf_stable.outputs.OutputDir`; its RUN_INCOMPLETE.json gets status "preempted"
+            ("interrupted" after Ctrl-C).
 
     Raises:
-        SystemExit: with `PreemptionCallback.exit_code`, on every rank, when training was preempted.
+        SystemExit: with `PreemptionCallback.exit_code` (130 after Ctrl-C), on every rank, when training was
+            preempted.
     """
     callback = find_preemption(trainer)
     if callback is None or not callback.stopped:
         return
     step = callback.stopped_at
     checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
-    if output is not None:  # the signal this rank got (on rank 0 maybe none: another rank's decided the stop)
-        name = signal.Signals(callback._received).name if callback._received else "/".join(callback.signals)
+    name = callback._stop_signal or "/".join(callback.signals)  # the signal every rank agreed on
+    if output is not None:
         output.preempted(name, step=step, checkpoint=checkpoint)
-    print_main(f"\npreempted: saved {checkpoint} at step {step}; rerun the same command to resume")
+    print_main(f"\n{stop_word(name)}: saved {checkpoint} at step {step}; rerun the same command to resume")
     shutdown()
-    raise SystemExit(callback.exit_code)
+    raise SystemExit(stop_exit_code(name, callback.exit_code))

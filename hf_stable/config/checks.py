@@ -4,7 +4,8 @@ Types, unknown keys and each section's own `validate()` are the loader's job. Wh
 needs the installed packages, and would otherwise surface minutes later, after an 8B base is loaded, the data
 tokenized and the "before" evaluation run: a batch size of 0 (a `ValueError` deep in the data audit), a
 `training.report_to` integration that is not installed (the Trainer's `RuntimeError`), batch warmup without
-`training.max_steps` (refused at train start), an LR the optimizer factory refuses.
+`training.max_steps` (refused at train start), an LR the optimizer factory refuses, an engine (DeepSpeed) whose
+package is missing (transformers' `PackageNotFoundError` traceback when TrainingArguments is built).
 
 `load_config` raises them as one `ConfigError`; `hf-stable doctor` reports each as a blocking finding
 (`hazards.config`), so both say the same thing from the same code.
@@ -12,6 +13,7 @@ tokenized and the "before" evaluation run: a batch size of 0 (a `ValueError` dee
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 from hf_stable.config.quantization import quantization_problems
@@ -76,6 +78,21 @@ def reporting_problems(report_to) -> list[str]:
     return out
 
 
+def engine_problems(training: dict, env=None) -> list[str]:
+    """A distribution engine the run is set up for whose package is not installed, with the extra that installs it."""
+    from hf_stable.import_utils import is_deepspeed_available
+
+    env = os.environ if env is None else env
+    if is_deepspeed_available():
+        return []
+    fix = 'pip install "hf-stable[deepspeed]"'
+    if training.get("deepspeed"):
+        return [f"training.deepspeed: {training['deepspeed']!r} needs DeepSpeed, which is not installed: {fix}"]
+    if str(env.get("ACCELERATE_USE_DEEPSPEED", "false")).lower() in ("1", "true"):
+        return [f"the accelerate launch config uses DeepSpeed, which is not installed: {fix} (or launch without it)"]
+    return []
+
+
 def guard_problems(cfg, max_steps) -> list[str]:
     guards = cfg.stability.guards
     changing = [n for n in ("batch_warmup", "thermal") if guards.enabled and getattr(guards, n).enabled]
@@ -117,6 +134,7 @@ def config_problems(cfg) -> list[str]:
     problems += guard_problems(cfg, _number(training.get("max_steps", defaults.get("max_steps"))))
     problems += optimizer_problems(cfg, training, {k: defaults.get(k) for k in _OPTIMIZER_KEYS})
     problems += quantization_problems(cfg)
+    problems += engine_problems(training)
     if cfg.export.merged and not cfg.lora.enabled:
         problems.append(
             "export.merged: true with lora.enabled: false; a full fine-tune's output dir is already a standalone "

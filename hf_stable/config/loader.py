@@ -13,6 +13,7 @@ value, `dataclasses.asdict`) would then run for hours. `check_size` refuses a tr
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import reprlib
 import types
 import typing
@@ -29,6 +30,29 @@ _ENDLESS = 10**18
 
 _REPR = reprlib.Repr()
 _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 80, 80, 6, 6, 3
+
+
+# names other libraries give a field of ours (peft's `lora_alpha`, "rank" for `r`): string similarity misses them
+_SYNONYMS = {
+    "rank": "r",
+    "lora_r": "r",
+    "lora_rank": "r",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "lr": "learning_rate",
+}
+
+
+def did_you_mean(key: str, choices) -> list[str]:
+    """Up to three of `choices` that `key` was probably meant to be: a known synonym, a close spelling (difflib), or
+    a name containing `key` with the underscores ignored (`learning_rat` -> `learning_rate`)."""
+    choices = [str(c) for c in choices]
+    out = [c for c in (_SYNONYMS.get(key),) if c in choices]
+    out += difflib.get_close_matches(key, choices, n=3, cutoff=0.6)
+    squashed = key.replace("_", "")
+    if len(squashed) >= 4:
+        out += [c for c in choices if squashed in c.replace("_", "")]
+    return list(dict.fromkeys(out))[:3]
 
 
 def show(value: Any) -> str:
@@ -185,7 +209,9 @@ def build_section(cls: type, data: dict, prefix: str, problems: list[str]) -> An
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             allowed = ", ".join(sorted(fields))
-            problems.append(f"{full}: unknown key (allowed in '{prefix or 'top level'}': {allowed})")
+            close = did_you_mean(str(key), fields)
+            hint = f", did you mean {' or '.join(close)}?" if close else ""
+            problems.append(f"{full}: unknown key{hint} (allowed in '{prefix or 'top level'}': {allowed})")
             continue
         out = coerce(value, hints[key], full, problems)
         if out is not _MISSING:

@@ -128,12 +128,44 @@ def load_config(path: str | Path | None = None, argv: list[str] | None = None, c
     data = read_recipe(path.resolve() if path.exists() else path)
     for key, value in overrides:
         set_dotted(data, key, value)
-    cfg = config_from_dict(data, source=str(path))
-    if check:
-        from hf_stable.config.checks import check_config
+    try:
+        cfg = config_from_dict(data, source=str(path))
+        if check:
+            from hf_stable.config.checks import check_config
 
-        check_config(cfg)
+            check_config(cfg)
+    except ConfigError as e:
+        raise locate_overrides(e, [key for key, _ in overrides], path) from None
     return cfg
+
+
+def _problem_key(problem: str) -> str:
+    return problem.partition(": ")[0].strip()
+
+
+def locate_overrides(error: ConfigError, keys: list[str], path: Path) -> ConfigError:
+    """`error` with each problem that a command-line override caused said to come from the command line.
+
+    Without it a typo in `--lora.rank 8` reads as a problem in the recipe file (often the packaged default.yaml,
+    which the user never wrote). A problem is the override's when its key is the override's key or inside it.
+    """
+    if not keys:
+        return error
+    ours, marked = 0, []
+    for problem in error.problems:
+        key = _problem_key(problem)
+        owner = next((k for k in keys if key == k or key.startswith((f"{k}.", f"{k}["))), None)
+        if owner is None:
+            marked.append(problem)
+        else:
+            ours += 1
+            marked.append(f"{problem} [command-line argument --{owner}]")
+    if not ours:
+        return error
+    where = "the command-line arguments"
+    if ours == len(marked):  # all of them: the heading says where, the lines stay as they are
+        return ConfigError(error.problems, source=where)
+    return ConfigError(marked, source=f"{path} and {where}")
 
 
 def training_arguments(cfg: RunConfig, **forced: Any):

@@ -4,7 +4,7 @@ Example (YAML):
     runtime:
       resume: auto                 # newest *complete* checkpoint in output_dir, else start fresh
       preemption:
-        signals: [SIGTERM, SIGUSR1]
+        signals: [SIGTERM, SIGINT, SIGUSR1]
 """
 
 from __future__ import annotations
@@ -22,19 +22,21 @@ class PreemptionConfig:
 
     enabled: bool = field(default=True, metadata=_h("Handle the signals below instead of dying mid-step."))
     signals: list[str] = field(
-        default_factory=lambda: ["SIGTERM"],
+        default_factory=lambda: ["SIGTERM", "SIGINT"],
         metadata=_h(
             "Signals that request a checkpoint-and-stop (SLURM `--signal=USR1@120` sends SIGUSR1; Kubernetes and "
-            "torchrun send SIGTERM). The launcher (`accelerate launch`, `torchrun`) forwards them to the workers. "
-            "Outside a training step (loading, evaluating, writing outputs) there is nothing to save: the run stops "
-            "at once, marked preempted. A second identical signal more than 5 s after the first stops it at once too."
+            "torchrun send SIGTERM; Ctrl-C sends SIGINT: the run is marked interrupted and exits 130). The launcher "
+            "(`accelerate launch`, `torchrun`) forwards them to the workers. Outside a training step (loading, "
+            "evaluating, writing outputs) there is nothing to save: the run stops at once, marked preempted. A second "
+            "identical signal more than 5 s after the first (Ctrl-C: 1 s) stops it at once too."
         ),
     )
     exit_code: int = field(
         default=143,
         metadata=_h(
-            "Exit status after a preemption save (143 = 128 + SIGTERM). Non-zero so schedulers and torchrun "
-            "restart the job; with `resume: auto` the restart continues from the saved checkpoint."
+            "Exit status after a preemption save (143 = 128 + SIGTERM; after Ctrl-C always 130). Non-zero so "
+            "schedulers and torchrun restart the job; with `resume: auto` the restart continues from the saved "
+            "checkpoint."
         ),
     )
 
@@ -73,6 +75,14 @@ class RuntimeConfig:
         ),
     )
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    overwrite: bool = field(
+        default=False,
+        metadata=_h(
+            "A new run into an output_dir that holds a finished run (run_summary.json): false stops with a message "
+            "and changes nothing; true moves the finished run's files to <output_dir>/replaced-<time>/ (nothing is "
+            "deleted) and starts fresh."
+        ),
+    )
 
     def validate(self) -> list[str]:
         if not self.resume.strip():

@@ -7,7 +7,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from hf_stable.config.loader import coerce
+from hf_stable.config.loader import coerce, did_you_mean
 
 
 def training_defaults() -> dict[str, Any]:
@@ -36,7 +36,7 @@ def check_training(training: dict, problems: list[str]) -> dict:
     out = {}
     for key, value in training.items():
         if key not in types_:
-            close = [k for k in types_ if key.replace("_", "") in k.replace("_", "")][:3]
+            close = did_you_mean(key, types_)
             hint = f" (did you mean {', '.join(close)}?)" if close else " (see transformers.TrainingArguments)"
             problems.append(f"training.{key}: not a TrainingArguments field{hint}")
             continue

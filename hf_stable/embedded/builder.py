@@ -222,7 +222,9 @@ def ensure_base(arch: str, cfg: EmbeddedBaseConfig) -> Path:
 def _build_into(arch: str, cfg: EmbeddedBaseConfig, cache: Path, final: Path) -> Path:
     if final.exists():  # partial or stale: never trust it
         shutil.rmtree(final, ignore_errors=True)
-    say_on_this_rank(f"building embedded base tiny-{arch} (seed {cfg.seed}) into {final}")  # whichever rank builds
+    # whichever rank builds, before the wait starts; the default size takes about a minute on a 2-core CPU
+    estimate = ", ~1 min" if dataclasses.replace(cfg, cache_dir=None) == type(cfg)() else ""
+    say_on_this_rank(f"building embedded base tiny-{arch} (seed {cfg.seed}){estimate}, once: cached at {final}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
     try:
         info = build_base(arch, cfg, tmp)

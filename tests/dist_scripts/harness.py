@@ -241,9 +241,12 @@ def strip_timing(state: dict) -> dict:
     return out
 
 
-def signal_launcher(args: list[str], out: Path, sig: int, *, after_step: int, nproc: int = 1, tag: str, **kw) -> dict:
+def signal_launcher(
+    args: list[str], out: Path, sig: int, *, after_step: int, nproc: int = 1, tag: str, group: bool = False, **kw
+) -> dict:
     """Start a launch, wait until every rank ends step `after_step` (the probe's `pause:` fault holds it there),
-    send `sig` to the launcher process only (as Kubernetes does), and wait for the launch to end.
+    send `sig` to the launcher process only (as Kubernetes does; `group`: to its process group, as a terminal sends
+    Ctrl-C), and wait for the launch to end.
 
     Returns:
         {"run": Run, "workers": worker pids, "seconds": from the signal to the end of the launch,
@@ -252,7 +255,7 @@ def signal_launcher(args: list[str], out: Path, sig: int, *, after_step: int, np
     started = start(args, out, nproc=nproc, fault=f"pause:{after_step}", tag=tag, **kw)
     started.wait_for_files("paused_rank*", nproc, timeout=300)
     workers = [int(f.read_text()) for f in started.probe.glob("paused_rank*")]
-    os.kill(started.proc.pid, sig)
+    (os.killpg if group else os.kill)(started.proc.pid, sig)  # the launch runs in its own session: pgid = pid
     signalled = time.monotonic()
     run = started.wait(timeout=300)
     status = out / "RUN_INCOMPLETE.json"
