@@ -43,6 +43,19 @@ def refusal(path: Path, when: float) -> str:
     )
 
 
+def holds_cwd(path: Path) -> str | None:
+    """Why `runtime.overwrite` must not empty `path`: it is (or contains) the current directory, where the user's
+    own files live beside the run's (`training.output_dir: .`). None when moving its entries aside is safe."""
+    here, there = Path.cwd().resolve(), path.resolve()
+    if here == there or there in here.parents:
+        return (
+            f"training.output_dir: {path} holds a finished run and is the current directory (or contains it); "
+            f"--runtime.overwrite true would move every file in it aside, yours included. Train into a new "
+            f"directory (--training.output_dir {path / 'run-2'})"
+        )
+    return None
+
+
 def move_aside(path: Path, when: float) -> tuple[Path, list[str]]:
     """Move every entry of the finished run in `path` into a new `replaced-<time>/` folder inside it (earlier
     `replaced-*` folders stay where they are). Returns the folder and the names moved, sorted.

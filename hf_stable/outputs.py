@@ -102,6 +102,9 @@ class OutputDir:
             return None
         if not self.overwrite:
             return finished_run.refusal(self.path, when)
+        unsafe = finished_run.holds_cwd(self.path)
+        if unsafe:
+            return unsafe
         target, names = finished_run.move_aside(self.path, when)
         print(finished_run.replaced_line(self.path, when, target, names), flush=True)
         return None

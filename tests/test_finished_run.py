@@ -65,6 +65,19 @@ def test_overwrite_moves_every_entry_aside_once_and_starts_fresh(tmp_path, capsy
     )
 
 
+def test_overwrite_never_empties_the_current_directory(tmp_path, monkeypatch, capsys):
+    before = _finished_run(tmp_path)
+    (tmp_path / "my_notes.txt").write_text("the user's own file")
+    before["my_notes.txt"] = b"the user's own file"
+    monkeypatch.chdir(tmp_path)  # `training.output_dir: .`
+    with pytest.raises(SystemExit) as exit_, error_boundary():
+        OutputDir(tmp_path, overwrite=True).start({})
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "is the current directory" in err and len(err.splitlines()) == 1, err
+    after = {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == {str(k): v for k, v in before.items()}  # nothing moved
+
+
 def test_an_unfinished_run_is_resumed_not_refused(tmp_path):
     (tmp_path / "checkpoint-2").mkdir()
     (tmp_path / "RUN_INCOMPLETE.json").write_text('{"status": "preempted"}')
