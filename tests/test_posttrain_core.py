@@ -1,0 +1,49 @@
+"""No lockout: steps whose gradient is exactly zero (no learning signal) on a plain `Trainer` with hf_stable's default
+callbacks.
+
+A sparse-reward GRPO run starts with steps whose every advantage is 0: the gradient is exactly zero. Those steps used
+to become the grad-norm reference (an EMA of 0, so every later step was a "spike") and to break the streak of spike
+skips that `max_consecutive_skips` releases: learning was locked out. The same happens on any trainer, so this is
+tested on the plain `Trainer` with a loss multiplied by 0 at chosen steps.
+"""
+
+from __future__ import annotations
+
+from transformers import Trainer
+
+from hf_stable.callbacks import build_callbacks
+from hf_stable.callbacks.guards import SkipGuard
+from hf_stable.config import RunConfig
+from hf_stable.core.events import read_events
+from tests.dist_scripts.guards_common import (
+    LossFault,
+    Recorder,
+    all_finite,
+    tiny_lora_llama,
+    token_data,
+    training_args,
+    weights_equal,
+)
+
+
+def test_zero_gradient_steps_are_no_reference_and_lock_nothing_out(tmp_path):
+    steps = 24
+    zero = [*range(1, 13), *range(14, steps + 1, 2)]  # 12 zero-signal steps, then every other step
+    model = tiny_lora_llama()
+    LossFault(model, zero, factor=0.0)
+    rec = Recorder(model)
+    args = training_args(tmp_path, max_steps=steps, max_grad_norm=1.0)
+    callbacks = build_callbacks(RunConfig(), args)
+    Trainer(model=model, args=args, train_dataset=token_data(), callbacks=[*callbacks, rec]).train()
+
+    skip = next(c for c in callbacks if isinstance(c, SkipGuard))
+    assert skip.skipped_total == 0, skip.skipped_steps
+    events = read_events(tmp_path)
+    assert not [e for e in events if e["kind"] in ("step_skipped", "grad_vanishing", "skip_reference_reset")]
+    notes = [e for e in events if e["kind"] == "no_learning_signal"]
+    assert len(notes) == 1 and notes[0]["severity"] == "info" and notes[0]["step"] == 1
+    # every step with a signal moved the weights (none was skipped), and they stay finite
+    for step in range(13, steps + 1, 2):
+        assert not weights_equal(rec.weights[step - 1], rec.weights[step]), step
+    assert all_finite(rec.weights[steps])
+    assert skip.stats_state()["norm_ema"] > 0  # the reference never sat at 0
