@@ -47,3 +47,16 @@ def test_zero_gradient_steps_are_no_reference_and_lock_nothing_out(tmp_path):
         assert not weights_equal(rec.weights[step - 1], rec.weights[step]), step
     assert all_finite(rec.weights[steps])
     assert skip.stats_state()["norm_ema"] > 0  # the reference never sat at 0
+
+
+def test_the_rollback_check_compares_gradient_norms_only_for_a_signed_loss():
+    """GRPO's loss sits near 0 and is signed: a ratio of summed losses means nothing there (a loss of exactly 0 at
+    the current weights used to make the check give up and roll back)."""
+    from hf_stable.core.rollback_check import Probe, weights_damaged
+
+    def judge(grad_norm, loss):
+        return [0.0, float(grad_norm > 5.0), 0.0, 0.0]
+
+    assert weights_damaged(40.0, 0.0, Probe(1.0, 0.0), Probe(1.0, -0.03), judge) is False  # transient: data
+    assert weights_damaged(40.0, -0.1, Probe(40.0, -0.1), Probe(38.0, 0.02), judge) is False  # as bad there
+    assert weights_damaged(40.0, 0.02, Probe(40.0, 0.02), Probe(1.0, -0.01), judge) is True  # fine there: weights

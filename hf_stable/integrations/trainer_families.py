@@ -111,8 +111,9 @@ def family_of(obj) -> TrainerFamily:
 
 
 def trainer_name(obj) -> str:
-    """The TRL class in `obj`'s MRO that decided its family (else `obj`'s own class name), for messages."""
+    """The TRL trainer class that decided `obj`'s family (``DPOConfig`` -> ``DPOTrainer``; else `obj`'s own class
+    name), for messages."""
     for cls in type(obj).__mro__:
         if cls.__name__ in _FAMILIES:
-            return cls.__name__
+            return cls.__name__.removesuffix("Config") + "Trainer" if cls.__name__.endswith("Config") else cls.__name__
     return type(obj).__name__

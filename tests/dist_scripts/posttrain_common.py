@@ -91,7 +91,7 @@ def digit_reward(completions, **kwargs) -> list[float]:
 
 def sparse_reward(completions, **kwargs) -> list[float]:
     """0/1 reward that a random tiny policy almost never earns: most groups are all 0 (no learning signal)."""
-    return [1.0 if text.strip()[:1] == "7" else 0.0 for text in completions]
+    return [1.0 if "7" in text else 0.0 for text in completions]
 
 
 def common_args(out, **kw) -> dict:
