@@ -160,10 +160,10 @@ def all_finite(weights: dict[str, torch.Tensor]) -> bool:
 class StepFaults(TrainerCallback):
     """Faults inside chosen 1-based optimizer steps, before the gradient is read or clipped: ``nan_forward`` (the first
     decoder layer's output NaN in the step's training forwards), ``nan_grad`` (one LoRA gradient NaN) and
-    ``scale_grad`` (every LoRA gradient x factor). Records the trainable weights after every step in `weights`."""
+    ``scale_grad`` (every LoRA gradient x factor), on every rank or on `rank` only. Records the trainable weights after every step in `weights`."""
 
-    def __init__(self, model, nan_forward=(), nan_grad=(), scale_grad=None):
-        self.model = model
+    def __init__(self, model, nan_forward=(), nan_grad=(), scale_grad=None, rank: int | None = None):
+        self.model, self.rank = model, rank
         self.nan_forward, self.nan_grad, self.scale_grad = set(nan_forward), set(nan_grad), dict(scale_grad or {})
         self.step = 0
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
@@ -198,7 +198,7 @@ class StepFaults(TrainerCallback):
         self.weights[state.global_step] = trainable(self.model)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.step = state.global_step + 1
+        self.step = state.global_step + 1 if self.rank in (None, args.process_index) else 0
 
     def on_step_end(self, args, state, control, **kwargs):
         self.weights[state.global_step] = trainable(self.model)
