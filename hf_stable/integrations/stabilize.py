@@ -74,7 +74,7 @@ def stabilize(trainer: Trainer, cfg: RunConfig | None = None) -> Trainer:
     cfg = family.configure(cfg if cfg is not None else RunConfig())
     had_stable = isinstance(trainer, StableTrainer)
     trainer.__class__ = stable_class(type(trainer))
-    if not any(isinstance(cb, StabilityCallback) for cb in trainer.callback_handler.callbacks):
+    if not any(_ours(cb) for cb in trainer.callback_handler.callbacks):
         for callback in build_callbacks(cfg, trainer.args):
             trainer.add_callback(callback)
     if had_stable:
@@ -85,6 +85,11 @@ def stabilize(trainer: Trainer, cfg: RunConfig | None = None) -> Trainer:
         StepTap.shared(trainer.model).judge_objective(_objective_of(trainer, family))
     trainer._hf_stable_family = family
     return trainer
+
+
+def _ours(callback) -> bool:
+    """One of hf_stable's own callbacks (a user's `StabilityCallback` subclass does not count)."""
+    return isinstance(callback, StabilityCallback) and type(callback).__module__.startswith("hf_stable.")
 
 
 def _objective_of(trainer: Trainer, family: TrainerFamily):
