@@ -149,3 +149,20 @@ def test_sparse_reward_grpo_skips_nothing_and_applies_the_steps_stock_trl_applie
     for name, w in weights[True].items():  # the same updates as stock TRL
         assert float((w - weights[False][name]).abs().max()) <= 1e-6, name
     assert all(math.isfinite(n) for n in norms[True])
+
+
+def test_stabilize_on_sft_trainer_judges_its_lm_loss(tmp_path):
+    """SFTTrainer computes its loss from TRL's own fused log-probs: stabilize keeps that forward (not our chunked
+    one) and judges the LM loss TRL logs."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.dist_scripts.posttrain_common import common_args, tiny_policy, tiny_tokenizer
+
+    ds = Dataset.from_list([{"text": "count up 1 2 3 4 5 6"}] * 16)
+    args = SFTConfig(**common_args(tmp_path, max_steps=3), max_length=32)
+    trainer = SFTTrainer(model=tiny_policy(), args=args, train_dataset=ds, processing_class=tiny_tokenizer())
+    hf_stable.stabilize(trainer).train()
+    assert type(trainer).__name__ == "StableSFTTrainer" and not trainer.training_loss.chunked
+    rows = [h for h in trainer.state.log_history if "loss/train" in h and "loss" in h]
+    assert len(rows) == 3 and all(h["loss/train"] == pytest.approx(h["loss"], rel=1e-3) for h in rows)

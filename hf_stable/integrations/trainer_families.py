@@ -35,6 +35,8 @@ class TrainerFamily:
         model_loss: the objective is the model output's ``.loss`` (no `compute_loss` binding needed).
         loss_rules: the log-based loss spike / rise rules apply (the loss is positive).
         adaptive_clip: hf_stable's `ClipGuard` clips this objective's gradients.
+        chunked_loss: `StableTrainer`'s chunked LM loss may replace the model's forward in training steps (not when
+            the trainer computes its loss from outputs of its own, e.g. TRL's fused log-probs).
     """
 
     name: str
@@ -42,10 +44,11 @@ class TrainerFamily:
     model_loss: bool = True
     loss_rules: bool = True
     adaptive_clip: bool = True
+    chunked_loss: bool = True
 
     def configure(self, cfg):
         """A copy of the `RunConfig` `cfg` with the rules that fit this objective (`cfg` itself when all fit)."""
-        if self.loss_rules and self.adaptive_clip and self.model_loss:
+        if self.loss_rules and self.adaptive_clip and self.model_loss and self.chunked_loss:
             return cfg
         cfg = copy.deepcopy(cfg)
         guards = cfg.stability.guards
@@ -54,7 +57,7 @@ class TrainerFamily:
             guards.skip.loss_rise_rel = None
         if not self.adaptive_clip:
             guards.clipping.enabled = False
-        if not self.model_loss:
+        if not (self.model_loss and self.chunked_loss):
             cfg.training_loss.chunked = False  # the trainer's compute_loss, not ours, makes the loss
         return cfg
 
@@ -81,6 +84,8 @@ class TrainerFamily:
 
 
 LM = TrainerFamily("lm", "the LM loss (the model's token NLL)")
+# TRL's SFTTrainer reads its own fused log-probs from the model's output: the LM loss, without our chunked forward
+SFT = TrainerFamily("lm", "the LM loss (the model's token NLL)", chunked_loss=False)
 PREFERENCE = TrainerFamily(
     "preference", "the preference loss compute_loss returns", model_loss=False, adaptive_clip=False
 )
@@ -90,6 +95,8 @@ ONLINE_RL = TrainerFamily(
 
 # class names (of the trainer or of its TrainingArguments subclass) -> family; the first match in the MRO wins
 _FAMILIES = {
+    "SFTTrainer": SFT,
+    "SFTConfig": SFT,
     "DPOTrainer": PREFERENCE,
     "DPOConfig": PREFERENCE,
     "KTOTrainer": PREFERENCE,
