@@ -6,7 +6,7 @@
 * ``clean``: DPO and GRPO, no fault, per seed: guards on (`stabilize`), guards off (`stabilize` with
   ``guards.enabled: false``: monitors only) and stock TRL. Columns: skipped steps, rollbacks, the final objective (DPO:
   mean loss of the last 5 steps; GRPO: mean reward of the last 5 steps). A false alarm is a skip or a rollback here.
-* ``faults``: DPO, KTO and GRPO with one fault at step 8 (a NaN forward, a NaN LoRA gradient, every gradient x1e3),
+* ``faults``: DPO, KTO and GRPO with one fault at step 9 (a NaN forward, a NaN LoRA gradient, every gradient x1e3),
   stock TRL vs `stabilize`: did the run complete, are the weights finite, was the step skipped.
 * ``clip``: healthy DPO at LR 2e-3 with the adaptive ClipGuard forced on (the objective's default is off): the steps
   it scaled, and the smallest coefficient.
@@ -34,7 +34,7 @@ import hf_stable
 from hf_stable.config import RunConfig
 from hf_stable.core.events import read_events
 
-FAULT_STEP = 8  # after 3 accepted steps with a learning signal: the grad-norm references are warm
+FAULT_STEP = 9  # after 3 accepted steps with a learning signal (the references are warm); GRPO step 9 has a signal
 FAULTS = {
     "nan_forward": {"nan_forward": [FAULT_STEP]},
     "nan_grad": {"nan_grad": [FAULT_STEP]},
