@@ -30,6 +30,11 @@ Every hf_stable callback works in a stock `Trainer`; this subclass removes what 
 
 XLA, mixed device meshes and SageMaker MP fall back to the stock methods.
 
+`hf_stable.stabilize(trainer)` gives a trainer built elsewhere (TRL's DPO, KTO, GRPO ...) all of this by making its
+class a subclass of this one and of its own (`_stable_setup` is what `__init__` adds); for an objective that is not
+the model's LM loss it binds the model's `StepTap` to what `compute_loss` returns (`StepTap.judge_objective`), which
+`compute_loss` here reports for every training micro-batch.
+
 Example:
     >>> trainer = StableTrainer(model=model, args=args, train_dataset=ds, callbacks=build_callbacks(cfg, args))
 """
