@@ -166,3 +166,14 @@ def test_stabilize_on_sft_trainer_judges_its_lm_loss(tmp_path):
     assert type(trainer).__name__ == "StableSFTTrainer" and not trainer.training_loss.chunked
     rows = [h for h in trainer.state.log_history if "loss/train" in h and "loss" in h]
     assert len(rows) == 3 and all(h["loss/train"] == pytest.approx(h["loss"], rel=1e-3) for h in rows)
+
+
+def test_stabilize_on_rloo_trainer_judges_its_policy_loss(tmp_path):
+    """RLOOTrainer is in the online-RL family (GRPO's rules): the guards judge the loss TRL logs, no loss rules."""
+    trainer = hf_stable.stabilize(build_trainer("rloo", tmp_path, max_steps=3))
+    trainer.train()
+    assert type(trainer).__name__ == "StableRLOOTrainer"
+    skip = _skip_guard(trainer)
+    assert skip.loss_spike_zscore is None and skip.loss_rise_rel is None and skip.skipped_total == 0
+    rows = [h for h in trainer.state.log_history if "loss/train" in h and "loss" in h]
+    assert len(rows) == 3 and all(abs(h["loss/train"] - h["loss"]) <= 1e-5 for h in rows)

@@ -114,7 +114,7 @@ def common_args(out, **kw) -> dict:
 
 
 def build_trainer(kind: str, out, callbacks=(), seed: int = 0, reward=None, data=None, **kw):
-    """A real TRL trainer (``dpo``, ``kto``, ``grpo``) on the tiny policy, TRL's defaults (max_grad_norm 1.0)."""
+    """A real TRL trainer (``dpo``, ``kto``, ``grpo``, ``rloo``) on the tiny policy, TRL's defaults (max_grad_norm 1.0)."""
     from datasets import Dataset
 
     tok = tiny_tokenizer()
@@ -131,14 +131,17 @@ def build_trainer(kind: str, out, callbacks=(), seed: int = 0, reward=None, data
         args = KTOConfig(**common_args(out, **kw), max_length=32)
         ds = Dataset.from_list(data or kto_rows())
         return KTOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=list(callbacks))
-    if kind == "grpo":
-        from trl import GRPOConfig, GRPOTrainer
+    if kind in ("grpo", "rloo"):
+        import trl
 
+        config_cls, trainer_cls = (
+            (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
+        )
         kw.setdefault("num_generations", 4)
         kw.setdefault("max_completion_length", 6)
-        args = GRPOConfig(**common_args(out, **kw))
+        args = config_cls(**common_args(out, **kw))
         ds = Dataset.from_list(data or prompt_rows())
-        return GRPOTrainer(
+        return trainer_cls(
             model=model,
             reward_funcs=reward or digit_reward,
             args=args,
