@@ -60,3 +60,14 @@ def test_the_rollback_check_compares_gradient_norms_only_for_a_signed_loss():
     assert weights_damaged(40.0, 0.0, Probe(1.0, 0.0), Probe(1.0, -0.03), judge) is False  # transient: data
     assert weights_damaged(40.0, -0.1, Probe(40.0, -0.1), Probe(38.0, 0.02), judge) is False  # as bad there
     assert weights_damaged(40.0, 0.02, Probe(40.0, 0.02), Probe(1.0, -0.01), judge) is True  # fine there: weights
+
+
+def test_a_long_run_of_zero_gradient_steps_is_one_warning(tmp_path):
+    """Sparse signal is normal; 50 zero-gradient steps in a row are a run that learns nothing (constant reward)."""
+    skip = SkipGuard()
+    for step in range(1, 121):
+        signal = step in (10, 70)
+        skip.decide(step, [0.0] * 5, 0.5 if signal else 0.0, 1.0, no_signal=not signal)
+    notes = [(e["step"], e["severity"]) for e in skip.events if e["kind"] == "no_learning_signal"]
+    assert notes == [(1, "info"), (60, "warning"), (120, "warning")]
+    assert skip.skipped_total == 0

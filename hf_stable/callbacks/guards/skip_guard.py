@@ -45,6 +45,7 @@ from hf_stable.distributed import is_distributed
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch")
 _KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
+_NO_SIGNAL_WARN = 50  # zero-gradient steps in a row that are worth a warning
 
 
 @dataclass
@@ -94,6 +95,7 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         self._judged: int | None = None  # the step label last read (`judges_later`)
         self._gathers_at_begin: int | None = None  # `GradStats.row_gathers` when the step began
         self._no_signal_total = 0  # steps whose gradient was exactly zero (applied, never a reference)
+        self._no_signal_streak = 0  # ... in a row, up to now
 
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:
@@ -218,6 +220,7 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         reasons = [r for r, f in zip(REASONS, flags, strict=False) if f]
         if no_signal and not reasons:
             return self._no_signal(step, loss)
+        self._no_signal_streak = 0
         if reasons and not {"nonfinite", "rank_mismatch"} & set(reasons):  # spikes only: those can be a new normal
             self._spike_streak += 1
             if self._spike_streak > self.max_consecutive_skips:
@@ -273,8 +276,19 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         return verdict
 
     def _no_signal(self, step: int, loss: float | None) -> StepVerdict:
-        """A zero-gradient step: applied, no reference, the spike streak left as it is; one info note per run."""
+        """A zero-gradient step: applied, no reference, the spike streak left as it is; one info note per run, and
+        one warning when `_NO_SIGNAL_WARN` of them come in a row (a constant reward, a loss multiplied by 0: the run
+        learns nothing - sparse-reward GRPO on the tiny test policy had at most 9 in a row)."""
         self._no_signal_total += 1
+        self._no_signal_streak += 1
+        if self._no_signal_streak == _NO_SIGNAL_WARN:
+            self.event(
+                step,
+                "no_learning_signal",
+                f"step {step}: the gradient has been exactly zero for {_NO_SIGNAL_WARN} steps in a row - the run is "
+                "learning nothing (a constant reward in every group? a loss multiplied by 0?)",
+                severity="warning",
+            )
         if self._no_signal_total == 1:
             self.event(
                 step,
