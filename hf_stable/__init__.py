@@ -9,4 +9,22 @@ optional_kernels_notice()
 
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (dynamic), the model card prints it
 
-__all__ = ["ConfigError", "DataError", "HfStableError", "ModelError", "RunConfig", "__version__", "load_config"]
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "HfStableError",
+    "ModelError",
+    "RunConfig",
+    "__version__",
+    "load_config",
+    "stabilize",
+]
+
+
+def __getattr__(name: str):
+    # `stabilize` imports transformers' Trainer: re-exported lazily, so `import hf_stable` stays light
+    if name == "stabilize":
+        from hf_stable.integrations.stabilize import stabilize
+
+        return stabilize
+    raise AttributeError(f"module 'hf_stable' has no attribute {name!r}")

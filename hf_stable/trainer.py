@@ -30,6 +30,11 @@ Every hf_stable callback works in a stock `Trainer`; this subclass removes what 
 
 XLA, mixed device meshes and SageMaker MP fall back to the stock methods.
 
+`hf_stable.stabilize(trainer)` gives a trainer built elsewhere (TRL's DPO, KTO, GRPO ...) all of this by making its
+class a subclass of this one and of its own (`_stable_setup` is what `__init__` adds); for an objective that is not
+the model's LM loss it binds the model's `StepTap` to what `compute_loss` returns (`StepTap.judge_objective`), which
+`compute_loss` here reports for every training micro-batch.
+
 Example:
     >>> trainer = StableTrainer(model=model, args=args, train_dataset=ds, callbacks=build_callbacks(cfg, args))
 """
@@ -64,10 +69,14 @@ class StableTrainer(Trainer):
     """
 
     def __init__(self, *args, training_loss: TrainingLossConfig | None = None, **kwargs):
-        self.training_loss = training_loss if training_loss is not None else TrainingLossConfig()
         # FSDP1 is refused before accelerate builds its plugin (which on CPU ranks fails for FSDP1, less clearly)
         refuse_fsdp1(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
+        self._stable_setup(training_loss)
+
+    def _stable_setup(self, training_loss: TrainingLossConfig | None = None) -> None:
+        """What this class adds to a built trainer (also run by `hf_stable.stabilize` on a trainer built elsewhere)."""
+        self.training_loss = training_loss if training_loss is not None else TrainingLossConfig()
         order_for_reporting(self)  # reporters (TensorBoard, W&B ...) after the callbacks whose metrics they write
         if self.model is not None:  # tells the monitors their numbers are pre-clip even with max_grad_norm > 0
             GradStats.shared(self.model).pre_clip = True
@@ -201,9 +210,13 @@ class StableTrainer(Trainer):
         if record_ids is not None and self.model is not None:
             StepTap.shared(self.model).note_record_ids(record_ids)
         with self._training_forward(model, inputs, return_outputs):
-            return super().compute_loss(
+            out = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+        tap = StepTap.shared(self.model) if self.model is not None else None
+        if tap is not None and tap.objective is not None:  # `hf_stable.stabilize`: the guards judge this loss
+            tap.note_objective(out[0] if return_outputs else out, inputs)
+        return out
 
     def _training_forward(self, model, inputs, return_outputs: bool):
         """The chunked loss for a training step whose logits nobody reads; else the model's own forward."""

@@ -78,6 +78,7 @@ def substitutions(model_dir: Path) -> dict[str, str]:
         HUB_MODEL: repr(str(model_dir)),
         '"configs/qwen2.5-0.5b-lora.yaml"': repr(str(ROOT / "configs/qwen2.5-0.5b-lora.yaml")),  # run from a tmp dir
         "max_steps=1000": "max_steps=2",
+        'DPOConfig("out-dpo",': 'DPOConfig("out-dpo", use_cpu=True,',  # TRL's configs default to bf16 on a GPU
     }
 
 
@@ -124,12 +125,23 @@ def _check_chunked_loss_example(ns: dict, tmp_path: Path) -> None:
     assert trainer.state.global_step == 2 and ranks == [2] * 4  # per step: the forward and the backward's recompute
 
 
+def _check_stabilize_example(ns: dict, tmp_path: Path) -> None:
+    """docs/own-trainer.md: `stabilize` on a real DPOTrainer trains with the guards judging the DPO loss."""
+    trainer = ns["trainer"]
+    names = {type(cb).__name__ for cb in trainer.callback_handler.callbacks}
+    assert trainer.state.global_step == 2 and type(trainer).__name__ == "StableDPOTrainer"
+    assert {"GradientMonitor", "SkipGuard", "RollbackGuard"} <= names
+    skip = next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "SkipGuard")
+    assert abs(skip.last_verdict.loss - 0.6931) < 0.05  # the DPO loss near ln 2, not the sequences' NLL
+
+
 # A block is recognised by a line it holds; each check asserts what the block promises. A block without a check runs.
 CHECKS = {
     "class MyGradientHook(TrainerCallback)": _check_full_own_trainer_example,
     "trainer = StableTrainer(": _check_stable_trainer_example,
     "register(AttentionConfig(softcap=None))": _check_attention_example,
     "class ChunkedLossTrainer(Trainer)": _check_chunked_loss_example,
+    "hf_stable.stabilize(trainer)": _check_stabilize_example,
 }
 
 

@@ -8,6 +8,7 @@ from hf_stable.callbacks.guards import build_guards
 from hf_stable.callbacks.guards.qk_clip_callback import QKClipCallback
 from hf_stable.callbacks.monitors import CompileMonitor, build_monitors
 from hf_stable.callbacks.monitors.attention_monitor_callback import IMPLEMENTATION, AttentionMonitorCallback
+from hf_stable.callbacks.objective_notice import ObjectiveNotice
 from hf_stable.callbacks.preemption_callback import PreemptionCallback
 from hf_stable.callbacks.spike_forensics import build_forensics
 from hf_stable.core.engine import refuse_fsdp1
@@ -59,6 +60,7 @@ def build_callbacks(cfg, args=None, records=None) -> list:
     if records is not None:
         callbacks += build_forensics(cfg.data, records, callbacks)  # bad steps -> culprit records, quarantine
     callbacks += runtime_callbacks(cfg.runtime)
+    callbacks.append(ObjectiveNotice())  # a TRL preference / RL trainer without `stabilize`: says which loss is judged
     if args is not None and getattr(args, "disable_tqdm", False):
         callbacks.append(CompactPrinter())
     return callbacks

@@ -150,7 +150,8 @@ def weights_damaged(
     is non-finite now is one the healthy weights overflow on, not a sign of damage. `margin`: for a finite step,
     damage also needs the probed batches' summed loss at the current weights at least this fraction above the
     snapshot's, or their gradient norm twice the snapshot's - a paired comparison (same batches, two sets of
-    weights), so one hard batch's own noise cancels."""
+    weights), so one hard batch's own noise cancels. A loss that is not positive (a signed objective) is not compared.
+    """
     if not now.finite:  # the batch reproduces a non-finite result at the current weights
         if snap.finite and recent is not None and recent.finite:
             return False
@@ -159,10 +160,14 @@ def weights_damaged(
         return False  # non-finite in the step, finite on the re-run: a transient fault, nothing to undo
     if not snap.finite:
         return False
-    if now.grad_norm <= 0 or now.loss == 0:
+    if now.grad_norm <= 0:
         return None
-    if now.loss < (1.0 + margin) * snap.loss and now.grad_norm < 2.0 * snap.grad_norm:
+    # a loss that is not positive on both sides (a signed objective, e.g. GRPO's ~0 policy loss) has no ratio to
+    # compare: the gradient norms alone decide
+    positive = now.loss > 0 and snap.loss > 0
+    better_loss = positive and now.loss >= (1.0 + margin) * snap.loss
+    if not better_loss and now.grad_norm < 2.0 * snap.grad_norm:
         return False  # the snapshot does not do clearly better on these batches: nothing to undo
     grad_norm = snap.grad_norm * real_norm / now.grad_norm  # on the scale the Trainer (and the skip guard) saw
-    loss = snap.loss * real_loss / now.loss
+    loss = snap.loss * real_loss / now.loss if positive else real_loss
     return not any(judge(grad_norm, loss))

@@ -13,6 +13,12 @@ recover both, at the cost of one Python call per forward and no device sync:
 
 Only forwards in training mode with grad enabled are recorded (evaluation and generation are ignored).
 
+A trainer whose objective is not the model's LM loss (DPO, KTO, GRPO ...: `hf_stable.stabilize`) binds its
+`compute_loss` with `judge_objective`: the step loss is then the mean of what `compute_loss` returned per micro-batch
+(the number the Trainer logs as ``loss``), the recorded inputs are the trainer-level ones, and every re-run
+(`batch_gradients`: the rollback's check, the non-finite locator, the forensics) goes through `compute_loss` too. The
+model's own ``.loss`` (e.g. the NLL TRL asks for while computing log-probs) is then ignored.
+
 Loss arithmetic: the step loss is the token-weighted mean over the whole global batch, independent of how the
 Trainer scales things. For each micro-batch the hook turns the model's loss back into a token *sum*: times
 `num_items_in_batch` when the Trainer passed it (the model then returns `sum / num_items`), else times the
@@ -33,7 +39,9 @@ RECORD_IDS_KEY = "record_ids"  # the batch key the train collators use (see hf_s
 
 
 def _loss_of(output):
-    if isinstance(output, dict) or hasattr(output, "keys"):
+    if isinstance(output, torch.Tensor):  # a bound objective's `compute_loss` returns the loss itself
+        loss = output
+    elif isinstance(output, dict) or hasattr(output, "keys"):
         loss = output.get("loss") if hasattr(output, "get") else None
     elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         loss = output[0] if output[0].dim() == 0 else None
@@ -68,6 +76,7 @@ class StepTap:
         self._output_listeners: list = []
         self._logit_readers: list = []  # listeners that need output.logits (not output.chunked)
         self._row_fns: list = []
+        self.objective = None  # `judge_objective`: fn(call_args, call_kwargs) -> loss, the trainer's compute_loss
 
     @classmethod
     def shared(cls, model: torch.nn.Module) -> StepTap:
@@ -126,6 +135,28 @@ class StepTap:
         with self.paused(), torch.random.fork_rng(devices=devices), torch.enable_grad():
             yield
 
+    def judge_objective(self, fn) -> None:
+        """Judge the trainer's objective instead of the model's ``.loss``: `fn(call_args, call_kwargs)` re-computes a
+        recorded micro-batch's loss (the trainer's `compute_loss` on its inputs); the trainer reports each training
+        micro-batch with `note_objective`. None: back to the model's loss."""
+        self.objective = fn
+
+    def note_objective(self, loss, inputs) -> None:
+        """A training micro-batch's objective `loss` (what `compute_loss` returned) and its trainer-level `inputs`,
+        recorded as the model's forward would be (not while paused, in evaluation or without grad)."""
+        model = self._model_ref()
+        if self._paused or model is None or not model.training or not torch.is_grad_enabled():
+            return
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return
+        self.inputs.append(((), inputs))
+        self.record_ids.append(None)
+        loss = loss.detach().to(torch.float32).reshape(())
+        one = torch.ones_like(loss)
+        self._num = loss if self._num is None else self._num + loss
+        self._den = one if isinstance(self._den, float) else self._den + one
+        self.n_losses += 1
+
     def add_output_listener(self, fn, reads_chunks: bool = False, row_fn=None) -> None:
         """`fn(kwargs, output, record_ids)` after every recorded training forward (e.g. per-sample screening, which
         reads the logits the forward produced); registering the same function twice has no effect.
@@ -163,8 +194,9 @@ class StepTap:
         pending, self._pending_ids = self._pending_ids, None
         if not self._recording(module):
             return
-        self.inputs.append((args, kwargs))
-        self.record_ids.append(pending)
+        if self.objective is None:  # else the trainer-level inputs are recorded (`note_objective`)
+            self.inputs.append((args, kwargs))
+            self.record_ids.append(pending)
         ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
         if isinstance(ids, torch.Tensor):
             self.tokens += ids.numel()
@@ -173,7 +205,7 @@ class StepTap:
         return
 
     def _post_hook(self, module, args, kwargs, output):
-        if not self._recording(module):
+        if not self._recording(module) or self.objective is not None:
             return
         for fn in self._output_listeners:
             fn(kwargs, output, self.record_ids[-1] if self.record_ids else None)
@@ -211,12 +243,16 @@ class StepTap:
 def batch_gradients(model, params: list[torch.Tensor], call_args, call_kwargs, args=None):
     """(loss, gradients of `params`) of one captured micro-batch, by `torch.autograd.grad` (`.grad` untouched),
     the forward under the Trainer's autocast for `args`; unused parameters get zeros. (None, None) when the model
-    returns no loss. Use inside `StepTap.replaying()`."""
+    returns no loss. A bound objective (`StepTap.judge_objective`) is re-run through the trainer's `compute_loss`.
+    Use inside `StepTap.replaying()`."""
     from hf_stable.precision import training_autocast
 
     device = params[0].device if params else torch.device("cpu")
+    objective = StepTap.shared(model).objective
     with training_autocast(args, device):
-        loss = _loss_of(model(*call_args, **call_kwargs))
+        loss = _loss_of(
+            objective(call_args, call_kwargs) if objective is not None else model(*call_args, **call_kwargs)
+        )
     if loss is None:
         return None, None
     grads = torch.autograd.grad(loss, params, allow_unused=True)

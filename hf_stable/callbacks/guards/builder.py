@@ -37,6 +37,8 @@ GUARD_EVENT_KINDS = {
     "thermal_restore": "GPU cool again: accumulation and LR restored",
     "guard_off": "a guard cannot act here (the stock Trainer under DeepSpeed, no NVML) and does nothing",
     "guard_notice": "a configuration caveat (e.g. the Trainer also clips)",
+    "no_learning_signal": "a step with an exactly zero gradient: applied, not a spike reference (noted once)",
+    "objective_not_judged": "a TRL preference / RL trainer without hf_stable.stabilize: the guards judge the NLL",
 }
 
 

@@ -20,6 +20,10 @@ step averages as many records as the batch holds (at batch 1 one record: hard on
 Defaults: 6 sd (OLMo-core's anchor, 6 sigma over 128 steps); over the clean grid of `benchmarks/specificity.py`
 (batch 1-16) no step went past 4.9. References learn from accepted steps only; a level that persists
 `max_consecutive_skips` steps becomes the new normal. Every `step_skipped` event carries the statistics compared.
+A step whose gradient is exactly zero carries no learning signal (e.g. a GRPO step where every group's rewards are
+equal, so every advantage is 0): it is applied as a stock run would, judged by the non-finite rule only, and is no
+reference (a grad-norm EMA of 0 made every later step a "spike") nor a break in a streak of spike skips (else
+zero-signal steps in between kept `max_consecutive_skips` from ever releasing it); one info note says so.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from hf_stable.distributed import is_distributed
 
 REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch")
 _KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
+_NO_SIGNAL_WARN = 50  # zero-gradient steps in a row that are worth a warning
 
 
 @dataclass
@@ -89,6 +94,8 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         self.last_evidence: dict = {}
         self._judged: int | None = None  # the step label last read (`judges_later`)
         self._gathers_at_begin: int | None = None  # `GradStats.row_gathers` when the step began
+        self._no_signal_total = 0  # steps whose gradient was exactly zero (applied, never a reference)
+        self._no_signal_streak = 0  # ... in a row, up to now
 
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:
@@ -190,8 +197,8 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         return other.local_flags
 
     def learn(self, grad_norm: float, loss: float | None) -> None:
-        """Update the references with an accepted step."""
-        if math.isfinite(grad_norm):
+        """Update the references with an accepted step (a zero norm is no reference: see the module docstring)."""
+        if math.isfinite(grad_norm) and grad_norm > 0:
             b = self.ema_beta
             self._norm_ema = grad_norm if self._norm_ema is None else b * self._norm_ema + (1 - b) * grad_norm
             self._norms.append(grad_norm)
@@ -202,9 +209,18 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
             self._mid_hist.append(self._loss_mid)
         self._accepted += 1
 
-    def decide(self, step: int, flags: list[float], grad_norm: float, loss: float | None) -> StepVerdict:
-        """Turn agreed flags into a verdict, update the references and counters, write the event."""
+    def decide(
+        self, step: int, flags: list[float], grad_norm: float, loss: float | None, no_signal: bool = False
+    ) -> StepVerdict:
+        """Turn agreed flags into a verdict, update the references and counters, write the event. `no_signal`: the
+        step's gradient is exactly zero (only a non-finite flag can skip it; it neither teaches the references nor
+        ends a streak of spike skips)."""
+        if no_signal:
+            flags = [f if r in ("nonfinite", "rank_mismatch") else 0.0 for r, f in zip(REASONS, flags, strict=False)]
         reasons = [r for r, f in zip(REASONS, flags, strict=False) if f]
+        if no_signal and not reasons:
+            return self._no_signal(step, loss)
+        self._no_signal_streak = 0
         if reasons and not {"nonfinite", "rank_mismatch"} & set(reasons):  # spikes only: those can be a new normal
             self._spike_streak += 1
             if self._spike_streak > self.max_consecutive_skips:
@@ -256,6 +272,33 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
                 noise=evidence,
             )
         self.record({"guard/skipped": float(verdict.skip), "guard/skipped_total": float(self._skipped_total)})
+        self.last_verdict = verdict
+        return verdict
+
+    def _no_signal(self, step: int, loss: float | None) -> StepVerdict:
+        """A zero-gradient step: applied, no reference, the spike streak left as it is; one info note per run, and
+        one warning when `_NO_SIGNAL_WARN` of them come in a row (a constant reward, a loss multiplied by 0: the run
+        learns nothing - sparse-reward GRPO on the tiny test policy had at most 9 in a row)."""
+        self._no_signal_total += 1
+        self._no_signal_streak += 1
+        if self._no_signal_streak == _NO_SIGNAL_WARN:
+            self.event(
+                step,
+                "no_learning_signal",
+                f"step {step}: the gradient has been exactly zero for {_NO_SIGNAL_WARN} steps in a row - the run is "
+                "learning nothing (a constant reward in every group? a loss multiplied by 0?)",
+                severity="warning",
+            )
+        if self._no_signal_total == 1:
+            self.event(
+                step,
+                "no_learning_signal",
+                f"step {step}: the gradient is exactly zero (no learning signal in this batch, e.g. equal rewards "
+                "in every group); such steps are applied as usual and are not used as spike references",
+                severity="info",
+            )
+        verdict = StepVerdict(step=step, skip=False, grad_norm=0.0, loss=math.nan if loss is None else loss)
+        self.record({"guard/skipped": 0.0, "guard/skipped_total": float(self._skipped_total)})
         self.last_verdict = verdict
         return verdict
 
@@ -314,7 +357,8 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         # the flags are the same on every rank without a collective of their own
         flags = self.local_flags(grad_norm, loss, nonfinite_grads=report.nonfinite_total > 0)
         flags.append(float(report.ranks_differ and not flags[0]))
-        verdict = self.decide(step, flags, grad_norm if report.available else math.nan, loss)
+        no_signal = report.available and grad_norm == 0.0 and report.nonfinite_total == 0
+        verdict = self.decide(step, flags, grad_norm if report.available else math.nan, loss, no_signal=no_signal)
         if verdict.skip:
             drop_gradients(optimizer, model)
         for fn in self._listeners:

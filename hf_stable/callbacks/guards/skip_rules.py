@@ -70,6 +70,7 @@ class SkipRules:
             and math.isfinite(grad_norm)
             and self.grad_spike_ratio is not None
             and self._norm_ema is not None
+            and self._norm_ema > 0  # a reference of 0 would call every signal a spike (never learned: `learn`)
             and grad_norm > self.grad_spike_ratio * self._norm_ema
         ):
             # the z needs a history worth a robust scale; before that (a run's first steps, references reset by a

@@ -68,7 +68,10 @@ class GradientMonitor(StabilityCallback):
                 "error",
                 f"global grad norm {norm:.4g} > {self.explosion_norm:g} (largest group: {_largest(report)})",
             )
-        if math.isfinite(norm) and norm < self.vanishing_norm:
+        if norm == 0.0:  # exactly zero: no learning signal in this batch (equal rewards in a GRPO group ...), not a
+            # vanishing gradient; it neither counts towards nor breaks a vanishing streak (SkipGuard notes it once)
+            pass
+        elif math.isfinite(norm) and norm < self.vanishing_norm:
             self._vanishing_streak += 1
             if self._vanishing_streak >= self.vanishing_patience:
                 events += self._alert(

@@ -1,0 +1,107 @@
+"""`stabilize(trainer, cfg=None)`: hf_stable's monitors and guards on a trainer the user already built.
+
+One line for any `Trainer` subclass (`Trainer`, TRL's `SFTTrainer`, `DPOTrainer`, `KTOTrainer`, `GRPOTrainer`,
+`RLOOTrainer` ...), after the user built it and before `train()`:
+
+* the instance's class becomes a subclass of `StableTrainer` and of its own class (``StableDPOTrainer``), so it gets
+  what `StableTrainer` gives a plain `Trainer`: the step's pre-clip gradient norm and the ``max_grad_norm`` clip
+  from the shared statistics (TRL's default ``max_grad_norm=1.0`` no longer hides a spike from the guards), and the
+  engine seam (DeepSpeed runs the callbacks' pre-step between its backward and its step; FSDP2 shards);
+* `build_callbacks(cfg, trainer.args)` is added in reporting order (the reporters after them);
+* for a trainer whose objective is not the model's LM loss (`trainer_families`), the step is bound to what the
+  trainer's `compute_loss` returns: the guards, the loss monitor and every re-run judge the DPO / KTO / GRPO loss,
+  with the rules that fit it (`TrainerFamily.configure`).
+
+Calling it again is a no-op; a trainer that already holds hf_stable's callbacks (``callbacks=build_callbacks(...)``)
+keeps them and is only bound. Returns the trainer.
+
+Example:
+    >>> trainer = hf_stable.stabilize(DPOTrainer(model=model, args=DPOConfig(...), train_dataset=ds))
+    >>> trainer.train()
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from transformers import Trainer
+
+from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.builder import build_callbacks
+from hf_stable.config import RunConfig
+from hf_stable.core.engine import refuse_fsdp1
+from hf_stable.core.step_tap import StepTap
+from hf_stable.integrations.trainer_families import TrainerFamily, family_of
+from hf_stable.trainer import StableTrainer
+
+_STABLE_CLASSES: dict[type, type] = {}
+
+
+def stable_class(cls: type) -> type:
+    """`cls` with `StableTrainer`'s methods first in its MRO (made once per class)."""
+    if issubclass(cls, StableTrainer):
+        return cls
+    if cls is Trainer:
+        return StableTrainer
+    made = _STABLE_CLASSES.get(cls)
+    if made is None:
+        name = f"Stable{cls.__name__}"
+        made = type(name, (StableTrainer, cls), {"__module__": __name__, "__qualname__": name, "__doc__": cls.__doc__})
+        _STABLE_CLASSES[cls] = made
+    return made
+
+
+def stabilize(trainer: Trainer, cfg: RunConfig | None = None) -> Trainer:
+    """Attach hf_stable to a built `trainer` (any `transformers.Trainer` subclass); idempotent.
+
+    Args:
+        trainer: the trainer, built and not yet trained.
+        cfg: a `RunConfig` (default `RunConfig()`); its guard rules are adapted to the trainer's objective.
+
+    Returns:
+        The same trainer object.
+
+    Raises:
+        ConfigError: the arguments ask for FSDP1 (`core.engine.refuse_fsdp1`).
+
+    Example:
+        >>> trainer = stabilize(GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds))
+    """
+    if getattr(trainer, "_hf_stable_family", None) is not None:
+        return trainer
+    refuse_fsdp1(trainer.args)
+    family = family_of(trainer)
+    cfg = family.configure(cfg if cfg is not None else RunConfig())
+    had_stable = isinstance(trainer, StableTrainer)
+    trainer.__class__ = stable_class(type(trainer))
+    if not any(_ours(cb) for cb in trainer.callback_handler.callbacks):
+        for callback in build_callbacks(cfg, trainer.args):
+            trainer.add_callback(callback)
+    if had_stable:
+        trainer._stable_setup(trainer.training_loss)  # the user's training_loss stays; the order is redone
+    else:
+        trainer._stable_setup(cfg.training_loss)
+    if not family.model_loss and trainer.model is not None:
+        StepTap.shared(trainer.model).judge_objective(_objective_of(trainer, family))
+    trainer._hf_stable_family = family
+    return trainer
+
+
+def _ours(callback) -> bool:
+    """One of hf_stable's own callbacks (a user's `StabilityCallback` subclass does not count)."""
+    return isinstance(callback, StabilityCallback) and type(callback).__module__.startswith("hf_stable.")
+
+
+def _objective_of(trainer: Trainer, family: TrainerFamily):
+    """fn(call_args, call_kwargs) -> the trainer's `compute_loss` on recorded trainer-level inputs (a re-run),
+    leaving the trainer's logged metrics as they were. Holds the trainer weakly (the tap lives as long as the model)."""
+    ref = weakref.ref(trainer)
+
+    def objective(call_args, call_kwargs):
+        t = ref()
+        if t is None:
+            return None
+        with family.replay(t):
+            return t.compute_loss(t.model, call_kwargs)
+
+    return objective
