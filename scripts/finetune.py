@@ -37,6 +37,7 @@ from hf_stable.optim import build_optimizer, format_group_table, group_table, tr
 from hf_stable.optim.phases import wrap_for_phases
 from hf_stable.outputs import OutputDir, error_boundary
 from hf_stable.reporting import finalize_outputs, save_generation_config
+from hf_stable.reporting.verdict import verdict_line
 from hf_stable.trainer import StableTrainer
 
 logger = get_logger("finetune")
@@ -175,6 +176,10 @@ def main(argv: list[str]) -> None:
             f"\ndone in {summary['wall_seconds']}s, {summary['train_steps']} steps: {results_line(summary)}\n"
             f"output: {os.path.abspath(args.output_dir)}"
         )
+        if verdict_line(
+            summary.get("stability")
+        ):  # a run that was not healthy says so last (docs/outputs-and-resume.md)
+            print_main(verdict_line(summary["stability"]))
 
 
 if __name__ == "__main__":
