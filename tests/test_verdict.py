@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_stable.reporting.verdict import stability_verdict, verdict_line, verdict_markdown
-from tests.test_recipe import ROOT, run_recipe, tiny_overrides
+from tests.test_recipe import ROOT, tiny_overrides
 
 
 def _ev(kind, severity="warning", **kw):
@@ -32,6 +32,15 @@ def test_skips_are_rescued_and_stacked_rollbacks_are_diverged_naming_the_lr():
     assert v["advice"].startswith("the learning rate") and "training.learning_rate <= 0.016" in v["advice"]
     assert verdict_line(v).startswith("stability: DIVERGED (0 skipped, 2 rollbacks, LR x0.0156")
     assert "Stability verdict: diverged" in verdict_markdown(v)
+
+
+def test_most_steps_skipped_is_diverged_naming_the_lr():
+    """LR 1.0 on the default recipe (measured): 33 of 40 steps skipped, rollbacks declined, nothing else."""
+    events = [_ev("step_skipped") for _ in range(33)] + [_ev("rollback_declined")]
+    history = [{"step": s, "loss": 6.0} for s in range(2, 41, 2)]
+    v = stability_verdict(events, 0, history, lr=1.0)
+    assert v["verdict"] == "diverged" and v["advice"].startswith("the learning rate: 33 of 40 steps were skipped")
+    assert stability_verdict(events[:4], 0, history)["verdict"] == "rescued"
 
 
 def test_a_monitor_warning_alone_is_warned_and_a_nonfinite_end_is_diverged():
@@ -69,7 +78,13 @@ def test_nan_forward_at_batch_1_finishes_rescued(tmp_path):
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
-        [sys.executable, str(runner), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(runner), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     out = tmp_path / "out"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -80,3 +95,48 @@ def test_nan_forward_at_batch_1_finishes_rescued(tmp_path):
     assert "end_of_run_problems" not in _summary(out)
     assert proc.stdout.strip().splitlines()[-1].startswith("stability: RESCUED")
     assert "Stability verdict: rescued" in (out / "README.md").read_text()
+
+
+class _Store:
+    """A rollback snapshot store holding given weights (what `confirm_at_snapshot` loads)."""
+
+    def __init__(self, params):
+        self.empty, self._snap = False, {"params": [p.detach().clone() for p in params]}
+
+    def load(self):
+        return self._snap
+
+
+@pytest.mark.parametrize(
+    ("now", "at_snapshot", "named"),
+    [
+        ([1e3, 1.1e3, 0.9e3, 1e3, 1.2e3, 1e3, 0.95e3, 4e10], [1, 1.1, 0.9, 1, 1.2, 1, 0.95, 1.05], []),  # LR 1.0
+        ([1, 1.1, 0.9, 1, 1.2, 1, 0.95, 100], [1, 1.1, 0.9, 1, 1.2, 1, 0.95, 1.05], []),  # fine at good weights
+        ([1, 1.1, 0.9, 1, 1.2, 1, 0.95, 100], [1, 1.1, 0.9, 1, 1.2, 1, 0.95, 90], [7]),  # the record itself
+    ],
+)
+def test_a_gradient_culprit_needs_evidence_at_the_snapshot(monkeypatch, now, at_snapshot, named):
+    """Divergence is not bad data: a sample named by its gradient at the current weights is quarantined only when it
+    is still an outlier at the last good snapshot's weights, and never when every sample's gradient grew."""
+    import torch
+
+    from hf_stable.forensics import attribution as a
+
+    rows = [a.SampleRow(i, 5.0, 10, 5.0, 0) for i in range(8)]
+    culprits = a.grad_outliers(rows, now, zscore=6.0, min_rel=1.0)
+    assert [c.row.record_id for c in culprits] == [7]
+    params = [torch.nn.Parameter(torch.ones(3))]
+    seen = []
+
+    def norms_at(model, ps, tap, located, rs, args=None):
+        seen.append(float(ps[0].detach().sum()))
+        return list(at_snapshot)
+
+    monkeypatch.setattr(a, "sample_grad_norms", norms_at)
+    store = _Store([torch.zeros(3)])
+    confirmed, suspects = a.confirm_at_snapshot(
+        None, object(), store, params, None, {}, rows, culprits, now, zscore=6.0, min_rel=1.0
+    )
+    assert seen == [0.0] and float(params[0].detach().sum()) == 3.0  # measured at the snapshot, weights restored
+    assert [c.row.record_id for c in confirmed] == named
+    assert [r.record_id for r in suspects] == [i for i in [7] if i not in named]

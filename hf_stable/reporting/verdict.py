@@ -10,7 +10,9 @@ Verdicts (docs/outputs-and-resume.md; the recipe exits 0 with each, the run fini
 - `warned`: no guard acted, but a monitor alert of warning/error level was written (read the events).
 - `rescued`: guards acted (skipped steps, at most one rollback) and the run ended on finite losses.
 - `diverged`: the weights went bad more than once (two or more rollbacks, so the LR back-offs stacked), the
-  rollbacks ran out (`rollback_exhausted`), or the run ended on a non-finite loss.
+  rollbacks ran out (`rollback_exhausted`), the guards skipped a large share of the steps (at least
+  `DIVERGED_SKIP_SHARE` of them and at least `DIVERGED_MIN_SKIPS`: training mostly did not happen), or the run ended
+  on a non-finite loss.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from hf_stable.core.events import read_events
 from hf_stable.forensics.quarantine import read_quarantine
 
 VERDICTS = ("healthy", "warned", "rescued", "diverged")
+DIVERGED_SKIP_SHARE = 0.2
+DIVERGED_MIN_SKIPS = 5
 # events about the set-up (a guard or monitor that cannot act here, a config caveat), not about the run's health
 SETUP_KINDS = frozenset(
     {"guard_off", "guard_notice", "monitor_off", "monitor_notice", "attn_monitor_inactive", "info", "hf_stable"}
@@ -58,7 +62,9 @@ def stability_verdict(
     last = _last_loss(list(history))
     ended_nonfinite = last is not None and not math.isfinite(last)
     nonfinite = kinds["nonfinite_grad"] + kinds["nonfinite_loss"]
-    if rollbacks >= 2 or kinds["rollback_exhausted"] or ended_nonfinite:
+    steps = max([int(row["step"]) for row in history if isinstance(row.get("step"), int)], default=0)
+    mostly_skipped = skips >= DIVERGED_MIN_SKIPS and skips >= DIVERGED_SKIP_SHARE * max(steps, 1)
+    if rollbacks >= 2 or kinds["rollback_exhausted"] or ended_nonfinite or mostly_skipped:
         verdict = "diverged"
     elif skips or rollbacks or quarantined:
         verdict = "rescued"
@@ -77,11 +83,11 @@ def stability_verdict(
             "warnings": warnings,
             "errors": errors,
         },
-        "advice": _advice(verdict, kinds, factor, quarantined, skips, nonfinite, ended_nonfinite, lr),
+        "advice": _advice(verdict, kinds, factor, quarantined, skips, nonfinite, ended_nonfinite, lr, steps),
     }
 
 
-def _advice(verdict, kinds, factor, quarantined, skips, nonfinite, ended_nonfinite, lr) -> str:
+def _advice(verdict, kinds, factor, quarantined, skips, nonfinite, ended_nonfinite, lr, steps) -> str:
     rollbacks = kinds["rollback"]
     if verdict == "healthy":
         return "nothing to do: no guard acted and no alert was raised"
@@ -89,6 +95,12 @@ def _advice(verdict, kinds, factor, quarantined, skips, nonfinite, ended_nonfini
     if verdict == "diverged":
         if ended_nonfinite and not rollbacks:
             return "the run ended on a non-finite loss: lower the learning rate or check precision (fp16 overflow)"
+        if rollbacks < 2 and not kinds["rollback_exhausted"]:
+            return (
+                f"the learning rate: {skips} of {steps} steps were skipped (gradient spikes and non-finite steps, "
+                f"{quarantined} record(s) blamed): the weights went bad, not the data; rerun with a lower learning rate"
+                + (f" (e.g. training.learning_rate <= {lr / 10:.2g})" if lr else "")
+            )
         return (
             f"the learning rate: the weights went bad {rollbacks} time(s), each rollback restored good weights and "
             f"the LR back-offs stacked to x{factor:.3g}; rerun with a lower learning rate{lower}"
