@@ -58,7 +58,16 @@ class LossMonitorConfig:
     enabled: bool = field(default=True, metadata=_h("Track the per-step training loss and the eval loss."))
     spike_window: int = field(default=100, metadata=_h("Steps of history for the robust z-score."))
     spike_min_history: int = field(default=20, metadata=_h("No spike verdict before this many steps of history."))
-    spike_zscore: float = field(default=6.0, metadata=_h("Alert when (loss - median) / (1.4826 MAD) exceeds this."))
+    spike_zscore: float = field(
+        default=6.0,
+        metadata=_h(
+            "Alert when the log of the step loss is this many robust sd (1.4826 MAD of the window's log losses) "
+            "above their median ..."
+        ),
+    )
+    spike_min_rel: float = field(
+        default=0.5, metadata=_h("... and the loss at least this fraction above the window's median (both must hold).")
+    )
     curvature_threshold: float = field(
         default=0.1, metadata=_h("Alert on l[i] - 2 l[i-1] + l[i-2] above this (while rising) ...")
     )
