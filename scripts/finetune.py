@@ -27,6 +27,7 @@ from hf_stable.config import load_config, training_arguments
 from hf_stable.data import build_data
 from hf_stable.distributed import prepare_launch, shutdown
 from hf_stable.doctor import preflight
+from hf_stable.doctor.quick_checks import warn_quick_checks
 from hf_stable.embeddings import handle_untrained_tokens, save_repair, trainable_token_indices
 from hf_stable.evaluation import evaluate_run, results_line
 from hf_stable.export.exporter import export_after_training
@@ -61,6 +62,10 @@ def main(argv: list[str]) -> None:
     with error_boundary(output), stop_on_signals(cfg.runtime.preemption, output):
         output.start(cfg.to_dict())
         logger.info("config %s -> output dir %s", cfg.source, args.output_dir)
+        if (
+            not cfg.doctor
+        ):  # the doctor's config checks that need no dry run, one WARNING line each (preflight repeats)
+            warn_quick_checks(cfg, args)
 
         resume = resolve_resume(cfg.runtime.resume, args)  # newest *complete* checkpoint, same on every rank
         moved = output.set_aside_events(resuming=resume is not None)  # a fresh run reports only its own events

@@ -7,7 +7,6 @@ import math
 import random
 
 from hf_stable.callbacks.monitors.loss_monitor import LossMonitor
-from hf_stable.core.events import read_events
 
 
 def _batch1_losses(n: int, seed: int) -> list[float]:
