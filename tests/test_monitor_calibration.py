@@ -7,6 +7,7 @@ import math
 import random
 
 from hf_stable.callbacks.monitors.loss_monitor import LossMonitor
+from hf_stable.core.events import read_events
 
 
 def _batch1_losses(n: int, seed: int) -> list[float]:
@@ -54,3 +55,23 @@ def test_the_linear_rule_would_have_fired_on_the_clean_series():
         xs = _batch1_losses(400, seed)
         fired += any(robust_zscore(x, xs[max(0, i - 100) : i]) > 6 for i, x in enumerate(xs) if i >= 20)
     assert fired >= 1
+
+
+def test_a_nonfinite_line_names_a_few_tensors_and_the_event_keeps_them_all(tmp_path):
+    """The measured line listed 20 full tensor names (~1,500 characters); now 3 names, the groups and "+N more"."""
+    from hf_stable.callbacks.monitors.non_finite_locator import NonFiniteLocator
+
+    loc = NonFiniteLocator()
+    loc._output_dir = str(tmp_path)
+    names = [
+        f"base_model.model.model.layers.{i}.self_attn.{p}_proj.lora_{ab}.default.weight"
+        for i in range(2)
+        for ab in "AB"
+        for p in "qkvo"
+    ]
+    loc._report(7, names, "gradients", None, 0, 0)
+    (event,) = read_events(tmp_path)
+    assert event["params"] == names
+    assert f"{names[2]} (+{len(names) - 3} more)" in event["message"] and names[3] not in event["message"]
+    assert "(layer_0.lora_A 4, layer_0.lora_B 4, layer_1.lora_A 4, layer_1.lora_B 4)" in event["message"]
+    assert len(event["message"]) < 400

@@ -59,6 +59,9 @@ FORENSICS_EVENT_KINDS = {
 }
 
 
+MAX_LISTED = 3  # records named in a console line; the event's `records` and quarantine.jsonl keep them all
+
+
 def _num(x: float) -> float | str:
     return round(x, 6) if math.isfinite(x) else str(x)
 
@@ -316,7 +319,9 @@ class SpikeForensics(ScreenedForwards, EpochVerdicts, StepTapUser, StabilityCall
             self.event(
                 step,
                 "samples_quarantined",
-                f"step {step}: {len(names)} record(s) quarantined, {action}: " + "; ".join(names),
+                f"step {step}: {len(names)} record(s) quarantined, {action}: "
+                + "; ".join(names[:MAX_LISTED])
+                + (f"; +{len(names) - MAX_LISTED} more (all in quarantine.jsonl)" if len(names) > MAX_LISTED else ""),
                 severity="warning",
                 records=[e.to_dict() for e in self.quarantine.entries if e.step == step],
             )

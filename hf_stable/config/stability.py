@@ -44,7 +44,10 @@ class NonFiniteConfig:
         default=False, metadata=_h("During the re-run, use torch.autograd.detect_anomaly to name the op.")
     )
     max_reruns: int = field(default=3, metadata=_h("At most this many re-runs per training run (each costs a step)."))
-    max_names: int = field(default=20, metadata=_h("How many parameter names an event message lists."))
+    max_names: int = field(
+        default=3,
+        metadata=_h("How many parameter names the console line lists (+N more); the event's `params` keeps them all."),
+    )
     cooldown_steps: int = field(default=50, metadata=_h("Steps before the same non-finite event fires again."))
 
     def validate(self) -> list[str]:
