@@ -26,6 +26,8 @@ from hf_stable.forensics.quarantine import read_quarantine
 
 VERDICTS = ("healthy", "warned", "rescued", "diverged")
 DIVERGED_SKIP_SHARE = 0.2
+# monitor alerts whose usual cause is a too-high learning rate (the advice of a `warned` run names it)
+LR_SIGNS = ("attn_logit_high", "attn_logit_growth", "grad_explosion", "loss_curvature")
 DIVERGED_MIN_SKIPS = 5
 # events about the set-up (a guard or monitor that cannot act here, a config caveat), not about the run's health
 SETUP_KINDS = frozenset(
@@ -120,6 +122,13 @@ def _advice(verdict, kinds, factor, quarantined, skips, nonfinite, ended_nonfini
     if skips:
         return f"{skips} spike step(s) skipped, nothing quarantined: if spikes recur, lower the learning rate"
     alerts = sorted({e for e, n in kinds.items() if e not in SETUP_KINDS and n})
+    lr_signs = [k for k in LR_SIGNS if kinds[k]]
+    if lr_signs:
+        return (
+            f"the learning rate is the likely cause: {', '.join(lr_signs)} (attention saturating, gradients "
+            f"exploding or the loss accelerating upwards); rerun with a lower learning rate"
+            + (f" (e.g. training.learning_rate <= {lr / 10:.2g})" if lr else "")
+        )
     return f"monitor alerts ({', '.join(alerts[:4])}{' ...' if len(alerts) > 4 else ''}): see stability_events.jsonl"
 
 
