@@ -213,7 +213,7 @@ def report(results: dict[str, dict], label: str) -> None:
         print(
             f"fault={r['kind']} batch={r['batch']} seed={r['seed']} skips={r['skips']} "
             f"nonfinite_skips={r['nonfinite_skips']} rollbacks={r['rollbacks']} eval={r['eval_loss']:.4f} "
-            f"vs_clean={ratio:.3f}"
+            f"vs_clean={ratio:.3f} events={','.join(r.get('alert_kinds', [])) or '-'} verdict={r.get('verdict')}"
         )
     said = [r for r in on.values() if r.get("alerts") or r.get("console_warnings")]
     said += [r for r in off.values() if r["label"] == label and (r.get("alerts") or r.get("console_warnings"))]
