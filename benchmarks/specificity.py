@@ -100,6 +100,18 @@ def run(spec: dict, tree: Path) -> dict:
         result["backoffs"] = sum(1 for e in events if e.get("kind") in ("rollback", "lr_adjusted"))
         result["skip_reasons"] = [r for e in events if e.get("kind") == "step_skipped" for r in e.get("reasons", [])]
         result["nonfinite_skips"] = result["skip_reasons"].count("nonfinite")
+        # what the run *said* (issue 41): warning/error events other than set-up notes, our console WARNING lines,
+        # and the verdict; on a clean run every one must be zero / healthy
+        from hf_stable.reporting.verdict import SETUP_KINDS
+
+        said = [e for e in events if e.get("severity") in ("warning", "error") and e.get("kind") not in SETUP_KINDS]
+        result["alert_kinds"] = sorted({e["kind"] for e in said})
+        result["alerts"] = len(said)
+        console = (proc.stdout + proc.stderr).splitlines()
+        result["console_warnings"] = sum(
+            1 for line in console if line.startswith(("[hf_stable] WARNING", "[hf_stable] ERROR"))
+        )
+        result["verdict"] = (json.loads(summary.read_text()).get("stability") or {}).get("verdict")
         state = json.loads((Path(out) / "trainer_state.json").read_text()) if spec["arm"] == "off" else None
         if state is not None:  # the clean run's per-step loss and grad norm: the noise the guards must tolerate
             hist = [h for h in state["log_history"] if "loss/train" in h]
@@ -201,8 +213,19 @@ def report(results: dict[str, dict], label: str) -> None:
         print(
             f"fault={r['kind']} batch={r['batch']} seed={r['seed']} skips={r['skips']} "
             f"nonfinite_skips={r['nonfinite_skips']} rollbacks={r['rollbacks']} eval={r['eval_loss']:.4f} "
-            f"vs_clean={ratio:.3f}"
+            f"vs_clean={ratio:.3f} events={','.join(r.get('alert_kinds', [])) or '-'} verdict={r.get('verdict')}"
         )
+    said = [r for r in on.values() if r.get("alerts") or r.get("console_warnings")]
+    said += [r for r in off.values() if r["label"] == label and (r.get("alerts") or r.get("console_warnings"))]
+    clean = [r for r in [*on.values(), *off.values()] if r["kind"] == "clean" and "alerts" in r]
+    print(
+        f"clean runs that said something (warning/error events, console WARNING lines): {len(said)} of {len(clean)}"
+        + "".join(
+            f"\n  {run_key(r)}: {r['alerts']} events {','.join(r['alert_kinds'])}, {r['console_warnings']} lines, "
+            f"verdict {r.get('verdict')}"
+            for r in said
+        )
+    )
     if healthy_ratios:
         print(
             f"label={label} clean_steps={pooled_steps} skips_per_1000={per_1000(pooled_skips, pooled_steps):.2f} "

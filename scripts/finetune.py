@@ -27,6 +27,7 @@ from hf_stable.config import load_config, training_arguments
 from hf_stable.data import build_data
 from hf_stable.distributed import prepare_launch, shutdown
 from hf_stable.doctor import preflight
+from hf_stable.doctor.quick_checks import warn_quick_checks
 from hf_stable.embeddings import handle_untrained_tokens, save_repair, trainable_token_indices
 from hf_stable.evaluation import evaluate_run, results_line
 from hf_stable.export.exporter import export_after_training
@@ -38,6 +39,7 @@ from hf_stable.optim import build_optimizer, format_group_table, group_table, tr
 from hf_stable.optim.phases import wrap_for_phases
 from hf_stable.outputs import OutputDir, error_boundary
 from hf_stable.reporting import finalize_outputs, save_generation_config
+from hf_stable.reporting.verdict import verdict_line
 from hf_stable.trainer import StableTrainer
 
 logger = get_logger("finetune")
@@ -62,6 +64,10 @@ def main(argv: list[str]) -> None:
     with error_boundary(output), stop_on_signals(cfg.runtime.preemption, output):
         output.start(cfg.to_dict())
         logger.info("config %s -> output dir %s", cfg.source, args.output_dir)
+        if (
+            not cfg.doctor
+        ):  # the doctor's config checks that need no dry run, one WARNING line each (preflight repeats)
+            warn_quick_checks(cfg, args)
 
         resume = resolve_resume(cfg.runtime.resume, args)  # newest *complete* checkpoint, same on every rank
         output.set_aside_events(resuming=resume is not None)  # a fresh run reports only its own events
@@ -176,6 +182,10 @@ def main(argv: list[str]) -> None:
             f"\ndone in {summary['wall_seconds']}s, {summary['train_steps']} steps: {results_line(summary)}\n"
             f"output: {os.path.abspath(args.output_dir)}"
         )
+        if verdict_line(
+            summary.get("stability")
+        ):  # a run that was not healthy says so last (docs/outputs-and-resume.md)
+            print_main(verdict_line(summary["stability"]))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hf_stable.attention import AttentionSettings, get_probe, head_max_logits, register
 from hf_stable.callbacks.builder import build_attention_callbacks
 from hf_stable.callbacks.monitors.attention_monitor_callback import AttentionMonitorCallback
+from hf_stable.config.attention import AttentionConfig
 from hf_stable.core.events import read_events
 from tests.helpers import make_tiny_model
 
@@ -154,7 +155,11 @@ def test_trainer_logs_max_logit(tokenizer, tmp_path):
 
 def test_growth_alert_and_state_roundtrip():
     cb = AttentionMonitorCallback(
-        monitor_interval=1, logit_alert_threshold=1e9, logit_growth_checks=4, logit_growth_ratio=1.5
+        monitor_interval=1,
+        logit_alert_threshold=1e9,
+        logit_growth_checks=4,
+        logit_growth_ratio=1.5,
+        logit_growth_min_share=0.0,
     )
     for step, value in enumerate([2.0, 2.1, 1.9, 2.0, 2.2, 2.5, 3.1], start=1):
         cb._observe(step, {0: value})
@@ -184,3 +189,36 @@ def test_build_attention_callbacks():
     cbs = build_attention_callbacks(AttentionConfig(implementation="hf_stable", qk_clip=True, qk_clip_tau=30.0))
     assert [type(c) for c in cbs] == [AttentionMonitorCallback, QKClipCallback]
     assert cbs[0].interval == 10 and cbs[1].tau == 30.0
+
+
+# sampled max attention logits (every 10 steps): the healthy shape measured on `make demo` (a rise 20 -> 35 over
+# five samples, then back to ~25) and the rescue benchmark's attn_logits case (540-1,020)
+HEALTHY = [2.4, 4.1, 6.7, 9.0, 12.5, 17.9, 20.3, 24.0, 28.1, 31.2, 35.5, 30.2, 25.1, 26.0, 24.8]
+FAULTY = [20.0, 35.0, 80.0, 160.0, 320.0, 540.0, 700.0, 1020.0]
+
+
+def _alerts(values, **kw):
+    cb = AttentionMonitorCallback(monitor_interval=1, **kw)
+    for step, value in enumerate(values, start=1):
+        cb._observe(step * 10, {0: value, 1: value / 2})
+    return [e for e in cb.events if e["kind"].startswith("attn_logit")]
+
+
+def test_the_level_based_rule_is_silent_on_a_healthy_rise_and_warns_near_saturation():
+    assert _alerts(HEALTHY) == []
+    alerts = _alerts(FAULTY)
+    high = [e for e in alerts if e["kind"] == "attn_logit_high"]
+    assert [(e["group"], e["step"]) for e in high] == [
+        ("layer_0", 40),
+        ("layer_1", 50),
+    ]  # 160 > 100 at the 4th, 5th sample
+    assert "layer 0 max attention logit 160 > the level 100 where softmax saturates" in high[0]["message"]
+    growth = [e for e in alerts if e["kind"] == "attn_logit_growth"]
+    assert growth and all(e["value"] >= 50 for e in growth) and "approaching the level 100" in growth[0]["message"]
+
+
+def test_a_softcap_lowers_the_level_to_the_cap():
+    cb = AttentionMonitorCallback(AttentionConfig(softcap=30.0, backend="eager"), monitor_interval=1)
+    assert cb.level == 30.0 and cb.growth_floor == 15.0
+    cb._observe(10, {0: 31.0})
+    assert [e["kind"] for e in cb.events] == ["attn_logit_high"]

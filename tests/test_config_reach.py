@@ -136,6 +136,7 @@ ATTENTION_READERS = {
     "logit_alert_threshold": (AttentionMonitorCallback, "alert_threshold"),
     "logit_growth_checks": (AttentionMonitorCallback, "growth_checks"),
     "logit_growth_ratio": (AttentionMonitorCallback, "growth_ratio"),
+    "logit_growth_min_share": (AttentionMonitorCallback, "growth_min_share"),
     "qk_clip_tau": (QKClipCallback, "tau"),
     "qk_clip_alpha": (QKClipCallback, "alpha"),
     "qk_clip_interval": (QKClipCallback, "interval"),

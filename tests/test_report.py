@@ -117,7 +117,7 @@ def test_card_plot_draws_the_loss_the_report_draws(tmp_path):
     assert draw_loss(ax, history, [])
     labels = [line.get_label() for line in ax.get_lines()]
     plt.close(fig)
-    assert labels == ["train loss (step)", "non-finite loss"]
+    assert labels == ["train loss (each step)", "non-finite loss"]
 
 
 def test_log_history_reads_the_newest_checkpoint_when_the_run_left_no_state(tmp_path):

@@ -36,6 +36,7 @@ from hf_stable.distributed import all_reduce_tensor, rank
 from hf_stable.forensics.attribution import (
     Culprit,
     SampleRow,
+    confirm_at_snapshot,
     culprit_grad_norms,
     gather_rows,
     grad_outliers,
@@ -56,6 +57,9 @@ FORENSICS_EVENT_KINDS = {
     "samples_quarantined": "training records named as the culprits of a bad step (quarantine.jsonl)",
     "step_forensics": "per-sample losses of a bad step against the healthy distribution",
 }
+
+
+MAX_LISTED = 3  # records named in a console line; the event's `records` and quarantine.jsonl keep them all
 
 
 def _num(x: float) -> float | str:
@@ -176,6 +180,7 @@ class SpikeForensics(ScreenedForwards, EpochVerdicts, StepTapUser, StabilityCall
         started = time.perf_counter()
         device = next(self._model.parameters()).device
         engine = StepEngine.of(self._model)  # sharded: every rank re-runs its own micro-batches (equal counts)
+        store = None
         try:
             per = local_sample_losses(self._model, self._tap, self._args)
             store = getattr(self._rollback, "_store", None) if engine.can_rerun else None
@@ -217,6 +222,23 @@ class SpikeForensics(ScreenedForwards, EpochVerdicts, StepTapUser, StabilityCall
             live = [r for r in rows if r.tokens > 0]
             norms = sample_grad_norms(self._model, params, self._tap, located, live, self._args)
             culprits = grad_outliers(live, norms, zscore=self.cfg.zscore, min_rel=self.cfg.min_rel)
+            # agreed: the gathered culprits, and whether the rows carry the snapshot's losses (`confirm_at_snapshot`)
+            if culprits and any(math.isfinite(r.loss_snapshot) for r in live):
+                culprits, weights = confirm_at_snapshot(
+                    self._model,
+                    self._optimizer,
+                    store,
+                    params,
+                    self._tap,
+                    located,
+                    live,
+                    culprits,
+                    norms,
+                    zscore=self.cfg.zscore,
+                    min_rel=self.cfg.min_rel,
+                    args=self._args,
+                )
+                suspects = suspects + weights
         if self.cfg.screen and self._tap is not None:  # agreed: the gathered rows and the config
             inputs = {(step, rid): (self._tap.inputs[mb][1], seg) for rid, (mb, seg) in located.items()}
             culprits += [c for _, c in self._prompt_mismatches({step: (rows, culprits, med)}, inputs)]
@@ -297,7 +319,9 @@ class SpikeForensics(ScreenedForwards, EpochVerdicts, StepTapUser, StabilityCall
             self.event(
                 step,
                 "samples_quarantined",
-                f"step {step}: {len(names)} record(s) quarantined, {action}: " + "; ".join(names),
+                f"step {step}: {len(names)} record(s) quarantined, {action}: "
+                + "; ".join(names[:MAX_LISTED])
+                + (f"; +{len(names) - MAX_LISTED} more (all in quarantine.jsonl)" if len(names) > MAX_LISTED else ""),
                 severity="warning",
                 records=[e.to_dict() for e in self.quarantine.entries if e.step == step],
             )

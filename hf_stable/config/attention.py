@@ -55,14 +55,25 @@ class AttentionConfig:
         },
     )
     logit_alert_threshold: float = field(
-        default=50.0, metadata={"help": "Alert when a layer's sampled max attention logit goes above this."}
+        default=100.0,
+        metadata={
+            "help": "Alert when a layer's sampled max attention logit goes above this level (with a softcap, the "
+            "softcap when lower): a softmax row that saturates. Healthy runs sit at 7-35."
+        },
     )
     logit_growth_checks: int = field(
         default=5,
         metadata={"help": "Alert when a layer's max logit rose at this many consecutive samples ..."},
     )
     logit_growth_ratio: float = field(
-        default=1.5, metadata={"help": "... and grew by at least this factor over them."}
+        default=1.5, metadata={"help": "... and grew by at least this factor over them ..."}
+    )
+    logit_growth_min_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "... to at least this share of the alert level (approaching saturation; a rise from 20 to 35 "
+            "is ordinary)."
+        },
     )
     qk_clip: bool = field(
         default=False,
@@ -95,6 +106,8 @@ class AttentionConfig:
             problems.append(f"monitor_interval: got {self.monitor_interval!r}, must be >= 0 (0 = off)")
         if self.logit_growth_checks < 2:
             problems.append(f"logit_growth_checks: got {self.logit_growth_checks!r}, must be >= 2")
+        if not 0.0 <= self.logit_growth_min_share <= 1.0:
+            problems.append(f"logit_growth_min_share: got {self.logit_growth_min_share!r}, must be in [0, 1]")
         if not self.logit_growth_ratio > 1.0:
             problems.append(f"logit_growth_ratio: got {self.logit_growth_ratio!r}, must be > 1")
         if not self.qk_clip_tau > 0:

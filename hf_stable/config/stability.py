@@ -44,7 +44,10 @@ class NonFiniteConfig:
         default=False, metadata=_h("During the re-run, use torch.autograd.detect_anomaly to name the op.")
     )
     max_reruns: int = field(default=3, metadata=_h("At most this many re-runs per training run (each costs a step)."))
-    max_names: int = field(default=20, metadata=_h("How many parameter names an event message lists."))
+    max_names: int = field(
+        default=3,
+        metadata=_h("How many parameter names the console line lists (+N more); the event's `params` keeps them all."),
+    )
     cooldown_steps: int = field(default=50, metadata=_h("Steps before the same non-finite event fires again."))
 
     def validate(self) -> list[str]:
@@ -58,7 +61,16 @@ class LossMonitorConfig:
     enabled: bool = field(default=True, metadata=_h("Track the per-step training loss and the eval loss."))
     spike_window: int = field(default=100, metadata=_h("Steps of history for the robust z-score."))
     spike_min_history: int = field(default=20, metadata=_h("No spike verdict before this many steps of history."))
-    spike_zscore: float = field(default=6.0, metadata=_h("Alert when (loss - median) / (1.4826 MAD) exceeds this."))
+    spike_zscore: float = field(
+        default=6.0,
+        metadata=_h(
+            "Alert when the log of the step loss is this many robust sd (1.4826 MAD of the window's log losses) "
+            "above their median ..."
+        ),
+    )
+    spike_min_rel: float = field(
+        default=0.5, metadata=_h("... and the loss at least this fraction above the window's median (both must hold).")
+    )
     curvature_threshold: float = field(
         default=0.1, metadata=_h("Alert on l[i] - 2 l[i-1] + l[i-2] above this (while rising) ...")
     )

@@ -299,3 +299,69 @@ def snapshot_sample_losses(model, optimizer, store, tap: StepTap, per_now, args=
     if [x[0] for x in at_snap] != [x[0] for x in per_now]:
         return None
     return [x[3][0] for x in at_snap]
+
+
+# a step whose samples' median gradient norm is this many times the median at the snapshot's weights is explained
+# by the weights (every sample pulls harder): none of its records is named by gradient
+WEIGHTS_GRAD_FACTOR = 4.0
+
+
+def confirm_at_snapshot(
+    model,
+    optimizer,
+    store,
+    params,
+    tap: StepTap,
+    located: dict,
+    rows: list[SampleRow],
+    culprits: list[Culprit],
+    norms_now: list[float],
+    *,
+    zscore: float,
+    min_rel: float,
+    args=None,
+) -> tuple[list[Culprit], list[SampleRow]]:
+    """(confirmed culprits, weights suspects): a gradient culprit (`grad_outliers` at the current weights) stays a
+    culprit only when its gradient norm is still an outlier at the rollback snapshot's (the last good) weights,
+    over the same samples. At weights that have gone bad (a too-high LR) one ordinary sample's gradient can be
+    1e4-1e10 robust deviations above the rest; at the snapshot's weights it is ordinary again: the weights, not the
+    record, are the cause and the record stays in the data. Likewise no record is named when the samples' median
+    gradient norm now is non-finite or over `WEIGHTS_GRAD_FACTOR` x its median at the snapshot: the whole batch pulls
+    harder, which the weights explain.
+
+    Every rank enters (one sum over ranks in `sample_grad_norms`); call it only from rank-agreed state (the gathered
+    rows say whether a snapshot's losses are known). Without a loadable snapshot on this rank its norms are NaN and
+    nothing is confirmed."""
+    snap = None
+    if store is not None and not store.empty and optimizer is not None:
+        with contextlib.suppress(Exception):
+            snap = store.load()
+    usable = snap is not None and len(snap["params"]) == len(params)
+    current = [p.detach().to("cpu", copy=True) for p in params] if usable else None
+    try:
+        if usable:
+            with torch.no_grad():
+                for p, w in zip(params, snap["params"], strict=False):
+                    p.copy_(w)
+        norms = sample_grad_norms(model, params, tap, located, rows, args)  # entered by every rank
+    finally:
+        if usable:
+            with torch.no_grad():
+                for p, w in zip(params, current, strict=False):
+                    p.copy_(w)
+    if not usable:
+        norms = [math.nan] * len(rows)
+    med_now, med_snap = _median(list(norms_now)), _median(list(norms))
+    weights_explain = not (math.isfinite(med_now) and med_snap > 0) or med_now > WEIGHTS_GRAD_FACTOR * med_snap
+    at_snap = set()
+    if not weights_explain:
+        at_snap = {c.row.record_id for c in grad_outliers(_copies(rows), norms, zscore=zscore, min_rel=min_rel)}
+    confirmed = [c for c in culprits if c.row.record_id in at_snap]
+    by_id = {r.record_id: n for r, n in zip(rows, norms, strict=False)}
+    for c in confirmed:
+        c.detail["grad_norm_at_snapshot"] = by_id.get(c.row.record_id, math.nan)
+    return confirmed, [c.row for c in culprits if c.row.record_id not in at_snap]
+
+
+def _copies(rows: list[SampleRow]) -> list[SampleRow]:
+    return [SampleRow(r.record_id, r.loss, r.tokens, r.loss_snapshot, r.rank, r.z) for r in rows]

@@ -20,8 +20,11 @@ from pathlib import Path
 from hf_stable.checkpoints import list_checkpoints
 from hf_stable.core.events import EVENTS_FILE, read_events
 from hf_stable.errors import HfStableError
+from hf_stable.logging import get_logger
 from hf_stable.reporting import stability_plots
 from hf_stable.reporting.suspect_data import plot_bad_step_losses, suspect_markdown
+
+logger = get_logger("report")
 
 REPORT_DIR = "report"
 REPORT_FILE = "stability_report.md"
@@ -141,17 +144,31 @@ def _build(output_dir: Path, history: list[dict], events: list[dict], link_prefi
         lines += ["", "### Suspect data", "", *suspects]
     if plots:
         folder = output_dir / REPORT_DIR
-        drawn = [
-            ("loss", stability_plots.plot_loss(history, events, folder / "loss.png")),
-            ("learning rate", stability_plots.plot_lr(history, folder / "learning_rate.png")),
-            ("gradient norms per group", stability_plots.plot_grad_norms(history, events, folder / "grad_norms.png")),
-            ("memory", stability_plots.plot_memory(history, folder / "memory.png")),
-            ("per-sample loss of bad steps", plot_bad_step_losses(events, folder / "bad_step_samples.png")),
+        wanted = [
+            ("loss", stability_plots.plot_loss, (history, events, folder / "loss.png")),
+            ("learning rate", stability_plots.plot_lr, (history, folder / "learning_rate.png")),
+            (
+                "gradient norms per group",
+                stability_plots.plot_grad_norms,
+                (history, events, folder / "grad_norms.png"),
+            ),
+            ("memory", stability_plots.plot_memory, (history, folder / "memory.png")),
+            ("per-sample loss of bad steps", plot_bad_step_losses, (events, folder / "bad_step_samples.png")),
         ]
-        drawn = [(title, path) for title, path in drawn if path is not None]
-        if drawn:
+        drawn, failed = [], []
+        for title, draw, draw_args in wanted:
+            try:
+                path = draw(*draw_args)
+            except Exception as e:  # noqa: BLE001 - a plot must never turn a finished run into a crash
+                failed.append(f"the {title} plot could not be drawn ({type(e).__name__}: {str(e)[:200]})")
+                logger.warning("%s", failed[-1])
+                continue
+            if path is not None:
+                drawn.append((title, path))
+        if drawn or failed:
             lines += ["", "### Plots", ""]
             lines += [f"![{title}]({link_prefix}{path.name})" for title, path in drawn]
+            lines += [f"- {note}" for note in failed]
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,9 @@
 """PNG plots of the stability report, drawn from `trainer_state.json`'s log history (matplotlib, Agg backend).
 
 Each function returns the path it wrote, or None when the history holds nothing to draw (a plot of nothing
-would only suggest that something was measured).
+would only suggest that something was measured). Every function copes with what a rescued or diverged run logs:
+NaN and inf values (left out of the lines and of log axes, marked where they matter), empty and one-point series
+(a one-point series is drawn as a marker): the end of a run must never crash on its own plots.
 """
 
 from __future__ import annotations
@@ -29,6 +31,29 @@ def series(history: list[dict], key: str) -> list[tuple[int, float]]:
         if "step" in row and isinstance(value, (int, float)) and not isinstance(value, bool):
             out.append((int(row["step"]), float(value)))
     return out
+
+
+def finite(points: list[tuple[int, float]], positive: bool = False) -> list[tuple[int, float]]:
+    """The points a plot can draw: finite values (and > 0 for a log axis)."""
+    return [(s, v) for s, v in points if math.isfinite(v) and (v > 0 or not positive)]
+
+
+def _line(ax, points: list[tuple[int, float]], *fmt, **kw):
+    """`ax.plot` of (step, value) points; NaN/inf stay gaps in the line, and a short series gets markers so one
+    point is still visible."""
+    if not points:
+        return
+    if len([1 for _, v in points if math.isfinite(v)]) <= 3 and not fmt:
+        kw.setdefault("marker", "o")
+        kw.setdefault("markersize", 3)
+    steps, values = zip(*points, strict=False)
+    ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], *fmt, **kw)
+
+
+def _log_or_linear(ax, drawn_positive: bool) -> None:
+    """A log y axis only when something positive and finite is drawn (log of nothing raises in matplotlib)."""
+    if drawn_positive:
+        ax.set_yscale("log")
 
 
 def _save(fig, path: Path) -> Path:
@@ -59,14 +84,15 @@ def draw_loss(ax, history: list[dict], events: list[dict]) -> bool:
     if not (logged or per_step or evals):
         return False
     if per_step:
-        ax.plot(*zip(*per_step, strict=False), label="train loss (step)", color="tab:blue", linewidth=1)
+        _line(ax, per_step, label="train loss (each step)", color="tab:blue", linewidth=1)
     if logged and not per_step:
-        ax.plot(*zip(*logged, strict=False), label="train loss (logged)", color="tab:blue")
-    if evals:
-        ax.plot(*zip(*evals, strict=False), "o--", label="eval loss", color="tab:green")
+        _line(ax, logged, label="train loss (mean over each logging interval)", color="tab:blue")
+    if finite(evals):
+        _line(ax, finite(evals), "o--", label="eval loss", color="tab:green")
     nonfinite = [s for s, v in per_step or logged if not math.isfinite(v)]
     if nonfinite:
-        ax.plot(nonfinite, [ax.get_ylim()[1]] * len(nonfinite), "x", color="tab:red", label="non-finite loss")
+        top = ax.get_ylim()[1]
+        ax.plot(nonfinite, [top] * len(nonfinite), "x", color="tab:red", label="non-finite loss")
     _mark_events(ax, events)
     ax.set(xlabel="step", ylabel="loss")
     ax.grid(alpha=0.3)
@@ -75,10 +101,10 @@ def draw_loss(ax, history: list[dict], events: list[dict]) -> bool:
 
 def draw_lr(ax, history: list[dict]) -> bool:
     """The logged learning rate (the LR applied, see docs/guards.md) on `ax`; False when none is logged."""
-    lr = series(history, "learning_rate")
+    lr = finite(series(history, "learning_rate"))
     if not lr:
         return False
-    ax.plot(*zip(*lr, strict=False), label="learning rate", color="tab:orange", alpha=0.8)
+    _line(ax, lr, label="learning rate", color="tab:orange", alpha=0.8, linestyle="--")
     ax.set(xlabel="step", ylabel="learning rate")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     return True
@@ -115,6 +141,8 @@ def plot_loss_lr(history: list[dict], path: Path, title: str = "training", event
     drew_loss, drew_lr = draw_loss(ax, history, list(events)), draw_lr(ax2, history)
     if not drew_lr:
         ax2.set_axis_off()
+    ax.set_zorder(ax2.get_zorder() + 1)  # the loss is drawn over the LR line, not under it
+    ax.patch.set_visible(False)
     (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
     handles, labels = h1 + h2, l1 + l2
     if handles:
@@ -128,17 +156,17 @@ def plot_grad_norms(history: list[dict], events: list[dict], path: Path, max_lin
     groups = sorted(
         {k[len("grad/norm/") :] for row in history for k in row if k.startswith("grad/norm/")}, key=_group_order
     )
-    total = series(history, "grad/norm_global") or series(history, "grad_norm")
+    total = finite(series(history, "grad/norm_global") or series(history, "grad_norm"), positive=True)
+    groups = [g for g in groups if finite(series(history, f"grad/norm/{g}"), positive=True)]
     if not (groups or total):
         return None
     plt = _plt()
     if len(groups) <= max_lines:
         fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
-        if total:
-            ax.plot(*zip(*total, strict=False), color="black", linewidth=1.5, label="global")
+        _line(ax, total, color="black", linewidth=1.5, label="global")
         for g in groups:
-            ax.plot(*zip(*series(history, f"grad/norm/{g}"), strict=False), linewidth=1, label=g)
-        ax.set_yscale("log")
+            _line(ax, finite(series(history, f"grad/norm/{g}"), positive=True), linewidth=1, label=g)
+        _log_or_linear(ax, True)
         _mark_events(ax, [e for e in events if e["kind"].startswith(("grad_", "nonfinite"))])
         ax.set(xlabel="step", ylabel="grad L2 norm", title="gradient norms (pre-clip when max_grad_norm=0)")
         ax.grid(alpha=0.3, which="both")
@@ -161,7 +189,7 @@ def plot_grad_norms(history: list[dict], events: list[dict], path: Path, max_lin
         sharex=False,
     )
     if total:
-        ax0.plot(*zip(*total, strict=False), color="black", linewidth=1.2)
+        _line(ax0, total, color="black", linewidth=1.2)
         ax0.set_yscale("log")
     ax0.set(
         ylabel="global norm",
@@ -190,19 +218,23 @@ def _group_order(name: str):
 
 
 def plot_memory(history: list[dict], path: Path) -> Path | None:
-    keys = [k for k in ("mem/allocated_gib", "mem/reserved_gib", "mem/peak_gib", "mem/rss_gib") if series(history, k)]
+    keys = [
+        k
+        for k in ("mem/allocated_gib", "mem/reserved_gib", "mem/peak_gib", "mem/rss_gib")
+        if finite(series(history, k))
+    ]
     if not keys:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3), dpi=100)
     for k in keys:
-        ax.plot(*zip(*series(history, k), strict=False), label=k.split("/")[1].replace("_gib", ""))
+        _line(ax, finite(series(history, k)), label=k.split("/")[1].replace("_gib", ""))
     ax.set(xlabel="step", ylabel="GiB", title="memory")
     ax.grid(alpha=0.3)
-    frag = series(history, "mem/fragmentation")
+    frag = finite(series(history, "mem/fragmentation"))
     if frag:
         ax2 = ax.twinx()
-        ax2.plot(*zip(*frag, strict=False), color="tab:gray", linestyle="--", label="fragmentation")
+        _line(ax2, frag, color="tab:gray", linestyle="--", label="fragmentation")
         ax2.set_ylabel("fragmentation")
         ax2.set_ylim(0, 1)
     ax.legend(fontsize=7, loc="upper left")

@@ -103,36 +103,43 @@ def suspect_markdown(output_dir: str | Path, events: list[dict]) -> list[str]:
 
 def plot_bad_step_losses(events: list[dict], path: Path) -> Path | None:
     """Each bad step's per-sample losses over the step's median (dots, quarantined red) next to the healthy
-    samples' distribution of the same ratio (box, when screening kept one)."""
+    samples' distribution of the same ratio (box, when screening kept one). Non-finite and non-positive ratios
+    cannot sit on the log axis and are left out (the suspect table names them); None when nothing is left to draw
+    (e.g. a NaN forward, where every sample's loss is NaN)."""
     steps = [e for e in events if e.get("kind") == "step_forensics" and e.get("samples")]
     if not steps:
         return None
-    from hf_stable.reporting.stability_plots import _plt, _save
-
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    drawable = lambda y: math.isfinite(y) and y > 0
     healthy = [_num(x) for e in steps for x in e.get("healthy") or []]
-    healthy = [x for x in healthy if math.isfinite(x)]
-    if healthy:
-        ax.boxplot([healthy], positions=[0], widths=0.6)
-    labels = ["healthy" if healthy else ""]
+    healthy = [x for x in healthy if drawable(x)]
     quarantined = {
         (int(ev["step"]), r.get("where"))
         for ev in events
         if ev.get("kind") == "samples_quarantined"
         for r in ev.get("records") or []
     }
-    for k, e in enumerate(steps[:20], start=1):
-        xs, ys, colors = [], [], []
-        for where, _loss, ratio, _z in e["samples"]:
+    columns = []
+    for e in steps[:20]:
+        points = []
+        for sample in e["samples"]:
+            where, ratio = (sample[0], sample[2]) if len(sample) >= 3 else (None, math.nan)
             y = _num(ratio)
-            if not math.isfinite(y):
-                continue  # a non-finite loss cannot be drawn; the table names it
-            xs.append(k)
-            ys.append(y)
-            colors.append("tab:red" if (int(e["step"]), where) in quarantined else "tab:blue")
-        ax.scatter(xs, ys, c=colors, s=14, alpha=0.8)
-        labels.append(f"step {e['step']}")
+            if drawable(y):
+                points.append((y, "tab:red" if (int(e["step"]), where) in quarantined else "tab:blue"))
+        columns.append((f"step {e['step']}", points))
+    if not healthy and not any(points for _, points in columns):
+        return None
+    from hf_stable.reporting.stability_plots import _plt, _save
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    if healthy:
+        ax.boxplot([healthy], positions=[0], widths=0.6)
+    labels = ["healthy" if healthy else ""]
+    for k, (label, points) in enumerate(columns, start=1):
+        if points:
+            ax.scatter([k] * len(points), [y for y, _ in points], c=[c for _, c in points], s=14, alpha=0.8)
+        labels.append(label)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=45, fontsize=7)
     ax.set_yscale("log")

@@ -6,10 +6,16 @@ only on sampled steps (step 1 and every `interval`-th step); the `hf_stable` att
 during that step's forward passes; at `on_step_end` one device→host transfer yields every layer's max.
 
 Metrics: `attn/max_logit/layer_<i>` per layer and `attn/max_logit/max` over layers (raw scaled q·k before
-any soft-cap; the value measured *before* a QK-clip of the same step). Alerts (stability events):
-`attn_logit_high` when a layer crosses `alert_threshold` (once per crossing), `attn_logit_growth` when
-`growth_checks` consecutive samples of a layer each exceed the previous one and the last is at least
-`growth_ratio` times the first.
+any soft-cap; the value measured *before* a QK-clip of the same step). Alerts (stability events) are level-based:
+
+* `attn_logit_high` when a layer's max logit crosses the level (`logit_alert_threshold`, 100; with
+  `attention.softcap` the cap when lower, since a raw logit at the cap is where tanh flattens): once per crossing.
+  At 100 a softmax row is one-hot to within e^-60 against any key 60 lower: saturated, its gradient vanishes.
+  Measured: healthy runs 7-35 (the embedded default, `make demo`), the rescue benchmark's `attn_logits` case
+  540-1,020.
+* `attn_logit_growth` when `growth_checks` consecutive samples of a layer each exceed the previous one, the last is
+  at least `growth_ratio` times the first *and* at least `logit_growth_min_share` (0.5) of the level: a steady rise
+  towards saturation. A rise from 20 to 35 is the ordinary shape of a healthy run's first hundred steps.
 """
 
 from __future__ import annotations
@@ -63,6 +69,12 @@ class AttentionMonitorCallback(StabilityCallback):
         self.alert_threshold = cfg.logit_alert_threshold
         self.growth_checks = cfg.logit_growth_checks
         self.growth_ratio = cfg.logit_growth_ratio
+        # the level: the alert threshold, or the soft-cap when that is lower (a raw logit at the cap saturates tanh)
+        cap = getattr(cfg, "softcap", None)
+        self.level = min(cfg.logit_alert_threshold, cap) if cap else cfg.logit_alert_threshold
+        self.alert_threshold = self.level
+        self.growth_min_share = cfg.logit_growth_min_share
+        self.growth_floor = self.growth_min_share * self.level
         self.probe = probe if probe is not None else get_probe()
         self._active = self.enabled
         self._above: set[int] = set()
@@ -125,8 +137,8 @@ class AttentionMonitorCallback(StabilityCallback):
                 self.event(
                     step,
                     "attn_logit_high",
-                    f"layer {layer} max attention logit {value:.1f} > {self.alert_threshold:g}: attention is "
-                    "sharpening (consider attention.softcap or attention.qk_clip, or a lower LR)",
+                    f"layer {layer} max attention logit {value:.4g} > the level {self.alert_threshold:g} where softmax "
+                    "saturates: attention is collapsing onto single keys (a lower LR, or attention.qk_clip / softcap)",
                     group=f"layer_{layer}",
                     value=value,
                     threshold=self.alert_threshold,
@@ -139,12 +151,13 @@ class AttentionMonitorCallback(StabilityCallback):
             history.append(value)
             if len(history) >= self.growth_checks:
                 first = history[0]
-                if first > 0 and value >= self.growth_ratio * first:
+                if first > 0 and value >= self.growth_ratio * first and value >= self.growth_floor:
                     self.event(
                         step,
                         "attn_logit_growth",
                         f"layer {layer} max attention logit rose over {len(history)} consecutive samples, "
-                        f"{first:.2f} -> {value:.2f} (x{value / first:.2f})",
+                        f"{first:.4g} -> {value:.4g} (x{value / first:.2f}), approaching the level {self.level:g} "
+                        "where softmax saturates",
                         group=f"layer_{layer}",
                         value=value,
                         threshold=self.growth_ratio,

@@ -244,13 +244,20 @@ class NonFiniteLocator(StepTapUser, StabilityCallback):
         self.event(
             step,
             "nonfinite_grad",
-            f"non-finite gradient in {len(names)} tensor(s) at step {step}, found by {how}: {listed}{where}",
+            f"non-finite gradient in {len(names)} tensor(s) at step {step} ({_groups_text(groups)}), found by {how}: "
+            f"{listed}{where}",
             group=first_group if len(groups) == 1 else ",".join(groups)[:200],
             value=len(names),
             threshold=0,
             severity="error",
-            params=names[:100],
+            params=names,
             groups=groups,
             op=op,
             nonfinite_weights=n_bad_weights,
         )
+
+
+def _groups_text(groups: dict[str, int], limit: int = 4) -> str:
+    """e.g. "layer_0.lora_A 7, layer_0.lora_B 7, +2 more groups": where the tensors sit, capped for a console line."""
+    items = [f"{g} {n}" for g, n in groups.items()]
+    return ", ".join(items[:limit]) + (f", +{len(items) - limit} more groups" if len(items) > limit else "")
