@@ -45,10 +45,14 @@ _SYNONYMS = {
 
 def did_you_mean(key: str, choices) -> list[str]:
     """Up to three of `choices` that `key` was probably meant to be: a known synonym, a close spelling (difflib), or
-    a name containing `key` with the underscores ignored (`learning_rat` -> `learning_rate`)."""
+    a name containing `key` with the underscores ignored (`learning_rat` -> `learning_rate`). Spellings much
+    further from `key` than the closest one are left out (`on_bad_records` -> `on_bad_record`, not also
+    `eval_max_records`)."""
     choices = [str(c) for c in choices]
     out = [c for c in (_SYNONYMS.get(key),) if c in choices]
-    out += difflib.get_close_matches(key, choices, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(key, choices, n=3, cutoff=0.6)
+    ratio = {c: difflib.SequenceMatcher(None, key, c).ratio() for c in close}
+    out += [c for c in close if ratio[c] >= ratio[close[0]] - 0.15]
     squashed = key.replace("_", "")
     if len(squashed) >= 4:
         out += [c for c in choices if squashed in c.replace("_", "")]
