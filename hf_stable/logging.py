@@ -31,11 +31,21 @@ class _MainProcessFilter(logging.Filter):
         return is_main_process()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on the stderr of its creation that moves to the current one if that stream was closed (a
+    stream swapped in for a while, e.g. by pytest's capsys, must not turn every later line into a logging error)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(self.stream, "closed", False):
+            self.stream = sys.stderr if not getattr(sys.stderr, "closed", False) else sys.__stderr__
+        super().emit(record)
+
+
 def get_logger(name: str) -> logging.Logger:
     global _CONFIGURED
     root = logging.getLogger("hf_stable")
     if not _CONFIGURED:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[hf_stable] %(levelname)s %(message)s"))
         handler.addFilter(_MainProcessFilter())
         root.addHandler(handler)
