@@ -57,6 +57,7 @@ class PostTrainMonitor(StabilityCallback):
         self._hints: dict[str, object] = {}
         self._zero = {"batches": 0, "groups": 0, "said": False, "fracs": []}
         self._nonfinite_seen: dict[str, int] = {}  # "<kind>:<function>" -> generation batches with it
+        self._since_log: dict[str, list[float]] = {}  # key -> [sum, count] of the values since the last log line
 
     def bind(self, trainer, family) -> None:
         """Read `trainer`'s signals as its `family` says (`TrainerFamily.signal_reader`)."""
@@ -156,16 +157,22 @@ class PostTrainMonitor(StabilityCallback):
         ]
 
     # --- Trainer hooks ---------------------------------------------------------------------------
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        super().on_log(args, state, control, logs=logs, **kwargs)
+        self._since_log = {}
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if not self.enabled or self._reader is None:
             return
         step = state.global_step + 1
         signals = self._reader.read()
-        metrics = {}
         for key, vals in signals.values.items():
-            valid = [v for v in vals if not math.isnan(v)]  # as TRL's own log(): a NaN batch is no value
-            if valid:
-                metrics[NAMESPACE + key] = sum(valid) / len(valid)
-        self.record(metrics)
+            acc = self._since_log.setdefault(key, [0.0, 0])
+            for v in vals:
+                if not math.isnan(v):  # as TRL's own log(): a NaN batch is no value
+                    acc[0] += v
+                    acc[1] += 1
+        # the mean since the last log line, as TRL averages its own (logging_steps > 1 included)
+        self.record({NAMESPACE + key: s / n for key, (s, n) in self._since_log.items() if n})
         for batch in signals.batches:
             self.observe_batch(step, batch)
