@@ -5,6 +5,7 @@ learns now and then."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -62,6 +63,13 @@ def test_an_inf_reward_is_named_with_its_step_and_count(inf_run):
     assert e["severity"] == "warning"
     assert "'flaky_reward' returned inf for 1 of 8 completions" in e["message"]
     assert "advantages" in e["message"] and "to 0" in e["message"]
+    # the affected group (completion 1: group 0 of 4) written out, so the user sees what was scored
+    assert e["rollouts"] == "posttrain_rollouts/step-3.jsonl" and e["rollouts"] in e["message"]
+    rows = [json.loads(line) for line in (out / e["rollouts"]).read_text().splitlines()]
+    assert [(r["index"], r["group"]) for r in rows] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    assert rows[1]["rewards"] == {"flaky_reward": "inf"} and rows[0]["prompt"].startswith("count up")
+    assert all(isinstance(r["completion"], str) and math.isfinite(r["rewards"]["flaky_reward"]) for r in rows[2:])
+    assert len(list((out / "posttrain_rollouts").iterdir())) == 1  # only the faulty batch
     # TRL zeroed the affected group's advantages: the gradient is finite, the step applied, the weights finite
     assert not _events(out, "step_skipped")
     assert all_finite(trainable(trainer.model))

@@ -27,11 +27,15 @@ class GenerationBatch:
         rewards: reward function name -> one float per completion (NaN where the function returned None or NaN).
         num_generations: completions per prompt (a group).
         frac_zero_std: TRL's ``frac_reward_zero_std`` of this batch (None when the trainer does not log it).
+        prompts, completions: the batch's prompts and completions in the rewards' order (TRL's completions table;
+            empty when the trainer keeps none).
     """
 
     rewards: dict[str, list[float]]
     num_generations: int
     frac_zero_std: float | None = None
+    prompts: list = field(default_factory=list)
+    completions: list = field(default_factory=list)
     groups: int = field(init=False)
 
     def __post_init__(self):
@@ -97,11 +101,16 @@ class SignalReader:
             return []
         rewards = {name: [float(r) for r in deque_] for name, deque_ in per_func.items()}
         fracs = values.get("frac_reward_zero_std")
+        size = max((len(v) for v in rewards.values()), default=0)
+        prompts, completions = list(logs.get("prompt") or ()), list(logs.get("completion") or ())
+        aligned = len(prompts) == len(completions) == size  # the table holds exactly this batch
         return [
             GenerationBatch(
                 rewards=rewards,
                 num_generations=int(getattr(trainer, "num_generations", 1) or 1),
                 frac_zero_std=fracs[-1] if fracs else None,
+                prompts=prompts if aligned else [],
+                completions=completions if aligned else [],
             )
         ]
 
@@ -122,3 +131,28 @@ def nonfinite_counts(batch: GenerationBatch) -> dict[str, dict[str, int]]:
         if inf or nan:
             out[name] = {"inf": inf, "unscored": nan}
     return out
+
+
+def rollout_rows(batch: GenerationBatch, cap: int = 64) -> list[dict]:
+    """The groups of `batch` holding a non-finite reward, one JSON-safe row per completion (at most `cap`): its
+    index and group, the prompt, the completion and every function's reward (``"inf"`` / ``"nan"`` as strings)."""
+    if not batch.completions:
+        return []
+    k = max(1, batch.num_generations)
+    bad_groups = sorted(
+        {i // k for vals in batch.rewards.values() for i, v in enumerate(vals) if not math.isfinite(v)}
+    )
+    rows = []
+    for g in bad_groups:
+        for i in range(g * k, min((g + 1) * k, len(batch.completions))):
+            rewards = {n: (v[i] if math.isfinite(v[i]) else str(v[i])) for n, v in batch.rewards.items()}
+            rows.append(
+                {
+                    "index": i,
+                    "group": g,
+                    "prompt": batch.prompts[i],
+                    "completion": batch.completions[i],
+                    "rewards": rewards,
+                }
+            )
+    return rows[:cap]

@@ -10,7 +10,8 @@ appended since the last step, floats it already took off the device; no forward,
 * names a reward function that returned ``inf`` (or NaN for completions no other function scored): TRL turns the
   resulting NaN advantages into 0, so those completions teach nothing and nothing else says so
   (`reward_nonfinite`, a warning; the step's gradient stays finite and is applied, a non-finite gradient is skipped
-  on every rank by `SkipGuard` as any other);
+  on every rank by `SkipGuard` as any other); the affected groups' prompts, completions and rewards go to
+  ``posttrain_rollouts/step-<N>.jsonl`` (capped), named in the event;
 * says when there is no learning signal: TRL's ``frac_reward_zero_std`` (the share of groups whose completions all
   got the same reward, hence advantage 0) at or above `zero_std_frac` for `zero_std_batches` generation batches in a
   row covering at least `zero_std_groups` groups (`no_learning_signal`, one warning per stretch, with what to change).
@@ -23,12 +24,16 @@ Every rank reads the same numbers (TRL gathers them before logging), so the even
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 from hf_stable.callbacks.base import StabilityCallback
-from hf_stable.integrations.trl_signals import GenerationBatch, nonfinite_counts
+from hf_stable.integrations.trl_signals import GenerationBatch, nonfinite_counts, rollout_rows
 
 NAMESPACE = "posttrain/"
+ROLLOUT_DIR = "posttrain_rollouts"  # one JSONL per reward_nonfinite batch
+ROLLOUT_CAP = 64  # rows per file: the affected groups, not the whole batch
 
 
 class PostTrainMonitor(StabilityCallback):
@@ -83,19 +88,38 @@ class PostTrainMonitor(StabilityCallback):
         """Judge one generation batch; returns the events it wrote."""
         events = []
         size = max((len(v) for v in batch.rewards.values()), default=0)
+        to_say = []
         for name, counts in nonfinite_counts(batch).items():
             for kind, n in counts.items():
                 if n:
-                    events += self._nonfinite(step, name, kind, n, size, batch.num_generations)
+                    key = f"{kind}:{name}"
+                    seen = self._nonfinite_seen[key] = self._nonfinite_seen.get(key, 0) + 1
+                    if not seen & (seen - 1):  # said at the 1st, 2nd, 4th, 8th ... batch with it: never silent,
+                        to_say.append((name, kind, n, seen))  # never a flood (nor a flood of rollout files)
+        rollouts = self._write_rollouts(step, batch) if to_say else None
+        for name, kind, n, seen in to_say:
+            events += self._nonfinite(step, name, kind, n, seen, size, batch.num_generations, rollouts)
         if batch.frac_zero_std is not None:
             events += self._zero_std(step, batch)
         return events
 
-    def _nonfinite(self, step: int, name: str, kind: str, n: int, size: int, k: int) -> list[dict]:
-        key = f"{kind}:{name}"
-        seen = self._nonfinite_seen[key] = self._nonfinite_seen.get(key, 0) + 1
-        if seen & (seen - 1):  # said at the 1st, 2nd, 4th, 8th ... batch with it: never silent, never a flood
-            return []
+    def _write_rollouts(self, step: int, batch: GenerationBatch) -> str | None:
+        """``<output_dir>/posttrain_rollouts/step-<step>.jsonl``: the prompts, completions and rewards of the groups
+        with a non-finite reward (main process; at most `ROLLOUT_CAP` rows), so the user sees what was scored.
+        Returns the path relative to the output dir (None when nothing was written)."""
+        rows = rollout_rows(batch, cap=ROLLOUT_CAP)
+        if not rows or self._output_dir is None:
+            return None
+        rel = f"{ROLLOUT_DIR}/step-{step}.jsonl"
+        if self._is_main:
+            path = Path(self._output_dir) / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+        return rel
+
+    def _nonfinite(
+        self, step: int, name: str, kind: str, n: int, seen: int, size: int, k: int, rollouts: str | None
+    ) -> list[dict]:
         what = "inf" if kind == "inf" else "NaN (or None) for completions no other reward function scored"
         effect = (
             "TRL's group mean and std become inf/NaN, and it sets the advantages of every completion in the affected "
@@ -109,6 +133,7 @@ class PostTrainMonitor(StabilityCallback):
             "so they teach nothing this step. The step is applied (its gradient is finite; a non-finite gradient "
             "would be skipped on every rank). Fix the reward function: return a finite number, or None only for a "
             "completion it does not apply to"
+            + (f"; the affected groups' prompts, completions and rewards: {rollouts}" if rollouts else "")
         )
         return [
             self.event(
@@ -119,6 +144,7 @@ class PostTrainMonitor(StabilityCallback):
                 completions=n,
                 of=size,
                 nonfinite=kind,
+                rollouts=rollouts,
                 severity="warning",
             )
         ]
