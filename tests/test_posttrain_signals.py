@@ -110,6 +110,24 @@ def test_no_learning_signal_is_said_once_with_what_to_change(tmp_path):
     assert skip.no_signal_warn_steps is None and skip.skipped_total == 0  # the reward-side event replaces its own
 
 
+def test_a_users_monitor_is_bound_not_replaced_and_the_rest_is_added(tmp_path):
+    mine = PostTrainMonitor(zero_std_groups=8)
+    trainer = hf_stable.stabilize(build_trainer("grpo", tmp_path, max_steps=1, callbacks=[mine]))
+    callbacks = trainer.callback_handler.callbacks
+    assert [cb for cb in callbacks if isinstance(cb, PostTrainMonitor)] == [mine] and mine._reader is not None
+    assert any(isinstance(cb, SkipGuard) for cb in callbacks)  # build_callbacks was still added
+
+
+def test_monitor_state_round_trips():
+    monitor = PostTrainMonitor()
+    for step in range(2):
+        monitor.observe_batch(step, _batch(1.0))
+    monitor.observe_batch(2, GenerationBatch(rewards={"r": [math.inf, 0.0]}, num_generations=2, frac_zero_std=0.0))
+    restored = PostTrainMonitor()
+    restored.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+    assert restored.state_dict() == monitor.state_dict() and restored._nonfinite_seen == {"inf:r": 1}
+
+
 def _batch(frac, groups=8, k=4):
     return GenerationBatch(rewards={"r": [0.0] * (groups * k)}, num_generations=k, frac_zero_std=frac)
 

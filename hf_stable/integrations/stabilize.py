@@ -80,7 +80,8 @@ def stabilize(trainer: Trainer, cfg: RunConfig | None = None) -> Trainer:
     cfg = family.configure(cfg if cfg is not None else RunConfig())
     had_stable = isinstance(trainer, StableTrainer)
     trainer.__class__ = stable_class(type(trainer))
-    if not any(_ours(cb) for cb in trainer.callback_handler.callbacks):
+    # a PostTrainMonitor of the user's (its thresholds) is bound below; it does not stand for build_callbacks
+    if not any(_ours(cb) and not isinstance(cb, PostTrainMonitor) for cb in trainer.callback_handler.callbacks):
         for callback in build_callbacks(cfg, trainer.args):
             trainer.add_callback(callback)
     if had_stable:
