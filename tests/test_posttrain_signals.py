@@ -12,7 +12,7 @@ import pytest
 
 import hf_stable
 from hf_stable.callbacks.guards import SkipGuard
-from hf_stable.callbacks.monitors.posttrain_monitor import PostTrainMonitor
+from hf_stable.callbacks.monitors.post_train_monitor import PostTrainMonitor
 from hf_stable.core.events import read_events
 from hf_stable.integrations.trl_signals import GenerationBatch, nonfinite_counts
 from tests.dist_scripts.posttrain_common import all_finite, build_trainer, trainable

@@ -32,7 +32,7 @@ from transformers import Trainer
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.builder import build_callbacks
 from hf_stable.callbacks.guards import SkipGuard
-from hf_stable.callbacks.monitors.posttrain_monitor import PostTrainMonitor
+from hf_stable.callbacks.monitors.post_train_monitor import PostTrainMonitor
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.config import RunConfig
 from hf_stable.core.engine import refuse_fsdp1
