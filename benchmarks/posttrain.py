@@ -1,13 +1,17 @@
 """Post-training benchmark: real TRL trainers (DPO, KTO, GRPO; tiny LoRA Llama, CPU, TRL's defaults) under
 `hf_stable.stabilize` against stock TRL.
 
-    OMP_NUM_THREADS=1 python benchmarks/posttrain.py [--seeds 0,1,2] [--steps 20] [--part clean,faults,clip]
+    OMP_NUM_THREADS=1 python benchmarks/posttrain.py [--seeds 0,1,2] [--steps 20] [--part clean,faults,rewards,clip]
 
 * ``clean``: DPO and GRPO, no fault, per seed: guards on (`stabilize`), guards off (`stabilize` with
   ``guards.enabled: false``: monitors only) and stock TRL. Columns: skipped steps, rollbacks, the final objective (DPO:
   mean loss of the last 5 steps; GRPO: mean reward of the last 5 steps). A false alarm is a skip or a rollback here.
 * ``faults``: DPO, KTO and GRPO with one fault at step 9 (a NaN forward, a NaN LoRA gradient, every gradient x1e3),
   stock TRL vs `stabilize`: did the run complete, are the weights finite, was the step skipped.
+* ``rewards``: GRPO (batch 8, 4 generations, the dense digit reward) per seed: a clean run under `stabilize`, and
+  one completion's reward replaced by ``inf`` or NaN on the reward function's 9th call (step 9), stock TRL vs
+  `stabilize`: completes, weights finite, the `reward_nonfinite` event (its step and count), skipped, and the final
+  reward (mean of the last 5 steps) against the clean run's. The clean column counts `PostTrainMonitor` warnings.
 * ``clip``: healthy DPO at LR 2e-3 with the adaptive ClipGuard forced on (the objective's default is off): the steps
   it scaled, and the smallest coefficient.
 
@@ -20,6 +24,7 @@ import argparse
 import contextlib
 import io
 import logging
+import math
 import sys
 import tempfile
 import warnings
@@ -100,6 +105,44 @@ def fault_run(kind: str, fault: str, stabilized: bool, tmp: Path) -> dict:
     return {"completed": completed, "finite": all_finite(weights), "skipped": skipped, "error": error}
 
 
+def faulty_reward(value: float, at_call: int):
+    """The digit reward with completion 1 scored `value` on call `at_call` (one call per generation batch)."""
+    calls = [0]
+
+    def digit_reward(completions, **kwargs):
+        calls[0] += 1
+        out = [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+        if calls[0] == at_call:
+            out[1] = value
+        return out
+
+    return digit_reward
+
+
+def reward_run(fault: str, stabilized: bool, seed: int, steps: int, tmp: Path) -> dict:
+    out = tmp / f"reward-{fault}-{int(stabilized)}-{seed}"
+    value = {"inf": math.inf, "nan": math.nan}.get(fault)
+    reward = faulty_reward(value, FAULT_STEP) if value is not None else faulty_reward(0.0, -1)
+    trainer = build_trainer("grpo", out, seed=seed, reward=reward, max_steps=steps, per_device_train_batch_size=8)
+    if stabilized:
+        hf_stable.stabilize(trainer)
+    completed = True
+    try:
+        _quiet(trainer.train)
+    except Exception:  # noqa: BLE001 - a crash is a result here
+        completed = False
+    events = _events(out)
+    named = [e for e in events if e["kind"] == "reward_nonfinite"]
+    return {
+        "completed": completed,
+        "finite": all_finite(trainable(trainer.model)),
+        "event": ", ".join(f"step {e['step']} {e['reward_function']} {e['completions']}/{e['of']}" for e in named),
+        "skipped": sum(e["kind"] == "step_skipped" for e in events),
+        "warnings": sum(e.get("source") == "PostTrainMonitor" and e.get("severity") == "warning" for e in events),
+        "reward": _objective(trainer, "grpo"),
+    }
+
+
 def clip_run(steps: int, tmp: Path) -> tuple[int, float, int]:
     out = tmp / "clip"
     trainer = build_trainer("dpo", out, max_steps=steps, learning_rate=2e-3, beta=1.0)
@@ -151,6 +194,28 @@ def main() -> None:
                 ours = f"{'yes' if h['completed'] else 'no'} / {'yes' if h['finite'] else 'NO'} / "
                 ours += "yes" if h["skipped"] else "no"
                 print(f"| {kind} | {fault} | {stock} | {ours} |", flush=True)
+    if "rewards" in parts:
+        print(
+            "\n| seed | clean (stabilize): warnings / skipped / reward | fault | stock: completes / finite / reward "
+            "| stabilize: completes / finite / event / skipped / reward |"
+        )
+        print("|---|---|---|---|---|")
+        for seed in seeds:
+            c = reward_run("none", True, seed, a.steps, tmp)
+            clean = f"{c['warnings']} / {c['skipped']} / {c['reward']:.4f}"
+            for fault in ("inf", "nan"):
+                s = reward_run(fault, False, seed, a.steps, tmp)
+                h = reward_run(fault, True, seed, a.steps, tmp)
+
+                def rel(r, c=c):
+                    return f"{r['reward']:.4f} ({100 * (r['reward'] / c['reward'] - 1):+.1f}%)"
+
+                print(
+                    f"| {seed} | {clean} | {fault} | {'yes' if s['completed'] else 'no'} / "
+                    f"{'yes' if s['finite'] else 'NO'} / {rel(s)} | {'yes' if h['completed'] else 'no'} / "
+                    f"{'yes' if h['finite'] else 'NO'} / {h['event'] or 'none'} / {h['skipped']} / {rel(h)} |",
+                    flush=True,
+                )
     if "clip" in parts:
         scaled, low, n = clip_run(3 * a.steps, tmp)
         print(

@@ -79,6 +79,7 @@ def substitutions(model_dir: Path) -> dict[str, str]:
         '"configs/qwen2.5-0.5b-lora.yaml"': repr(str(ROOT / "configs/qwen2.5-0.5b-lora.yaml")),  # run from a tmp dir
         "max_steps=1000": "max_steps=2",
         'DPOConfig("out-dpo",': 'DPOConfig("out-dpo", use_cpu=True,',  # TRL's configs default to bf16 on a GPU
+        'GRPOConfig(\n    "out-grpo",': 'GRPOConfig(\n    "out-grpo", use_cpu=True,',
     }
 
 
@@ -135,6 +136,15 @@ def _check_stabilize_example(ns: dict, tmp_path: Path) -> None:
     assert abs(skip.last_verdict.loss - 0.6931) < 0.05  # the DPO loss near ln 2, not the sequences' NLL
 
 
+def _check_post_training_example(ns: dict, tmp_path: Path) -> None:
+    """docs/post-training.md: `stabilize` on a real GRPOTrainer reads TRL's reward signals into posttrain/*."""
+    trainer = ns["trainer"]
+    assert trainer.state.global_step == 2 and type(trainer).__name__ == "StableGRPOTrainer"
+    assert "PostTrainMonitor" in {type(cb).__name__ for cb in trainer.callback_handler.callbacks}
+    rows = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(rows) == 2 and all(h["posttrain/reward"] == h["reward"] for h in rows)
+
+
 # A block is recognised by a line it holds; each check asserts what the block promises. A block without a check runs.
 CHECKS = {
     "class MyGradientHook(TrainerCallback)": _check_full_own_trainer_example,
@@ -142,6 +152,7 @@ CHECKS = {
     "register(AttentionConfig(softcap=None))": _check_attention_example,
     "class ChunkedLossTrainer(Trainer)": _check_chunked_loss_example,
     "hf_stable.stabilize(trainer)": _check_stabilize_example,
+    "hf_stable.stabilize(  # the same line": _check_post_training_example,
 }
 
 

@@ -10,7 +10,10 @@ One line for any `Trainer` subclass (`Trainer`, TRL's `SFTTrainer`, `DPOTrainer`
 * `build_callbacks(cfg, trainer.args)` is added in reporting order (the reporters after them);
 * for a trainer whose objective is not the model's LM loss (`trainer_families`), the step is bound to what the
   trainer's `compute_loss` returns: the guards, the loss monitor and every re-run judge the DPO / KTO / GRPO loss,
-  with the rules that fit it (`TrainerFamily.configure`).
+  with the rules that fit it (`TrainerFamily.configure`);
+* for a TRL trainer that computes signals of its own (DPO, KTO, GRPO, RLOO: reward, KL, entropy, margins ...), a
+  `PostTrainMonitor` reads them before each optimizer step, logs them as ``posttrain/*`` and names what they show
+  (a reward function returning inf/NaN, no learning signal): docs/post-training.md.
 
 Calling it again is a no-op; a trainer that already holds hf_stable's callbacks (``callbacks=build_callbacks(...)``)
 keeps them and is only bound. Returns the trainer.
@@ -28,6 +31,9 @@ from transformers import Trainer
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.builder import build_callbacks
+from hf_stable.callbacks.guards import SkipGuard
+from hf_stable.callbacks.monitors.post_train_monitor import PostTrainMonitor
+from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.config import RunConfig
 from hf_stable.core.engine import refuse_fsdp1
 from hf_stable.core.step_tap import StepTap
@@ -74,7 +80,8 @@ def stabilize(trainer: Trainer, cfg: RunConfig | None = None) -> Trainer:
     cfg = family.configure(cfg if cfg is not None else RunConfig())
     had_stable = isinstance(trainer, StableTrainer)
     trainer.__class__ = stable_class(type(trainer))
-    if not any(_ours(cb) for cb in trainer.callback_handler.callbacks):
+    # a PostTrainMonitor of the user's (its thresholds) is bound below; it does not stand for build_callbacks
+    if not any(_ours(cb) and not isinstance(cb, PostTrainMonitor) for cb in trainer.callback_handler.callbacks):
         for callback in build_callbacks(cfg, trainer.args):
             trainer.add_callback(callback)
     if had_stable:
@@ -83,8 +90,28 @@ def stabilize(trainer: Trainer, cfg: RunConfig | None = None) -> Trainer:
         trainer._stable_setup(cfg.training_loss)
     if not family.model_loss and trainer.model is not None:
         StepTap.shared(trainer.model).judge_objective(_objective_of(trainer, family))
+    _read_signals(trainer, family)
     trainer._hf_stable_family = family
     return trainer
+
+
+def _read_signals(trainer: Trainer, family: TrainerFamily) -> None:
+    """A `PostTrainMonitor` bound to the signals `trainer` computes itself (its family's `SignalReader`). For a
+    generating trainer its reward-spread event replaces `SkipGuard`'s generic zero-gradient warning (same cause,
+    said with the numbers and the fix); the guard's no-lockout handling of zero-gradient steps is unchanged."""
+    if family.signals is None:
+        return
+    callbacks = trainer.callback_handler.callbacks
+    monitor = next((cb for cb in callbacks if isinstance(cb, PostTrainMonitor)), None)
+    if monitor is None:
+        monitor = PostTrainMonitor()
+        trainer.add_callback(monitor)
+        order_for_reporting(trainer)  # the reporters stay after the callbacks whose metrics they write
+    monitor.bind(trainer, family)
+    if family.signals == "generation" and monitor.enabled:
+        for cb in callbacks:
+            if isinstance(cb, SkipGuard):
+                cb.no_signal_warn_steps = None
 
 
 def _ours(callback) -> bool:

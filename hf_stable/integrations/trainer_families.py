@@ -37,6 +37,9 @@ class TrainerFamily:
         adaptive_clip: hf_stable's `ClipGuard` clips this objective's gradients.
         chunked_loss: `StableTrainer`'s chunked LM loss may replace the model's forward in training steps (not when
             the trainer computes its loss from outputs of its own, e.g. TRL's fused log-probs).
+        signals: what the trainer computes about its step that hf_stable reads (`trl_signals`): ``None``,
+            ``"metrics"`` (TRL's ``_metrics``: DPO, KTO) or ``"generation"`` (those and the generation batch's
+            rewards: GRPO, RLOO).
     """
 
     name: str
@@ -45,6 +48,15 @@ class TrainerFamily:
     loss_rules: bool = True
     adaptive_clip: bool = True
     chunked_loss: bool = True
+    signals: str | None = None
+
+    def signal_reader(self, trainer):
+        """A `trl_signals.SignalReader` on `trainer` (None when this family computes no signals of its own)."""
+        if self.signals is None:
+            return None
+        from hf_stable.integrations.trl_signals import SignalReader
+
+        return SignalReader(trainer, generates=self.signals == "generation")
 
     def configure(self, cfg):
         """A copy of the `RunConfig` `cfg` with the rules that fit this objective (`cfg` itself when all fit)."""
@@ -87,10 +99,15 @@ LM = TrainerFamily("lm", "the LM loss (the model's token NLL)")
 # TRL's SFTTrainer reads its own fused log-probs from the model's output: the LM loss, without our chunked forward
 SFT = TrainerFamily("lm", "the LM loss (the model's token NLL)", chunked_loss=False)
 PREFERENCE = TrainerFamily(
-    "preference", "the preference loss compute_loss returns", model_loss=False, adaptive_clip=False
+    "preference", "the preference loss compute_loss returns", model_loss=False, adaptive_clip=False, signals="metrics"
 )
 ONLINE_RL = TrainerFamily(
-    "online_rl", "the policy loss compute_loss returns", model_loss=False, loss_rules=False, adaptive_clip=False
+    "online_rl",
+    "the policy loss compute_loss returns",
+    model_loss=False,
+    loss_rules=False,
+    adaptive_clip=False,
+    signals="generation",
 )
 
 # class names (of the trainer or of its TrainingArguments subclass) -> family; the first match in the MRO wins

@@ -96,6 +96,9 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         self._gathers_at_begin: int | None = None  # `GradStats.row_gathers` when the step began
         self._no_signal_total = 0  # steps whose gradient was exactly zero (applied, never a reference)
         self._no_signal_streak = 0  # ... in a row, up to now
+        # zero-gradient steps in a row worth a warning; None: another callback says why (`PostTrainMonitor` reads
+        # the reward spread of an RL trainer and names the cause and the fix; `hf_stable.stabilize` sets it)
+        self.no_signal_warn_steps: int | None = _NO_SIGNAL_WARN
 
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:
@@ -281,7 +284,7 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         learns nothing - sparse-reward GRPO on the tiny test policy had at most 9 in a row)."""
         self._no_signal_total += 1
         self._no_signal_streak += 1
-        if self._no_signal_streak == _NO_SIGNAL_WARN:
+        if self._no_signal_streak == self.no_signal_warn_steps:
             self.event(
                 step,
                 "no_learning_signal",
