@@ -2,7 +2,7 @@
 #   make demo   - install, then run the main job on the embedded default (offline, CPU)
 #   make test   - install, then run the test suite
 # For the inner loop:
-#   make test-fast - the suite without subprocess recipe runs, 2-process, DeepSpeed and wheel tests (~2 min on 2 cores: 679 tests)
+#   make test-fast - the suite without subprocess recipe runs, 2-process, DeepSpeed and wheel tests (~2 min on 2 cores: 754 tests)
 #   make lint      - ruff's rules and formatting, checked (`ruff check --fix .` / `ruff format .` apply them)
 VENV ?= .venv
 PYTHON ?= python3
