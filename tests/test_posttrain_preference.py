@@ -10,6 +10,7 @@ import pytest
 import hf_stable
 from hf_stable.callbacks.monitors.preference_rules import ACCURACY, CHOSEN, KEYS, MARGIN, PreferenceRules
 from hf_stable.core.events import read_events
+from hf_stable.reporting.report import render_report
 from tests.dist_scripts.posttrain_common import build_trainer, preference_rows
 
 pytest.importorskip("trl")
@@ -26,7 +27,7 @@ def clean_run(tmp_path_factory):
     trainer = build_trainer("dpo", out, data=rows, max_steps=STEPS, learning_rate=1e-2, beta=1.0)
     hf_stable.stabilize(trainer).train()
     series = {k: [h[f"posttrain/{k}"] for h in trainer.state.log_history if f"posttrain/{k}" in h] for k in KEYS}
-    return out, series
+    return out, series, trainer.state.log_history
 
 
 def _replay(series: dict[str, list[float]], **kw) -> list[tuple[int, str, str, dict]]:
@@ -39,7 +40,7 @@ def _replay(series: dict[str, list[float]], **kw) -> list[tuple[int, str, str, d
 
 
 def test_a_clean_learning_dpo_run_says_nothing(clean_run):
-    out, series = clean_run
+    out, series, _ = clean_run
     assert all(len(v) == STEPS for v in series.values())
     # the run learns: what the rules must tell apart from a fault
     assert min(series[ACCURACY][-32:]) == 1.0 and sum(series[MARGIN][-8:]) > 4 * sum(series[MARGIN][8:16])
@@ -52,7 +53,7 @@ def test_a_clean_learning_dpo_run_says_nothing(clean_run):
 
 
 def test_chosen_log_probs_falling_while_the_margin_grows_is_likelihood_displacement(clean_run):
-    _, series = clean_run
+    _, series, _ = clean_run
     faulty = {k: list(v) for k, v in series.items()}
     faulty[CHOSEN] = [v - max(0, i - 24) * 0.3 for i, v in enumerate(series[CHOSEN])]  # down 12 nats by the end
     said = _replay(faulty)
@@ -70,7 +71,7 @@ def test_chosen_log_probs_falling_while_the_margin_grows_is_likelihood_displacem
 
 
 def test_margins_exploding_with_accuracy_stuck_at_one_is_a_margin_runaway(clean_run):
-    _, series = clean_run
+    _, series, _ = clean_run
     faulty = {k: list(v) for k, v in series.items()}
     faulty[MARGIN] = [v * 1.2 ** max(0, i - 40) for i, v in enumerate(series[MARGIN])]
     said = _replay(faulty)
@@ -90,3 +91,10 @@ def test_rules_state_round_trips():
     again = PreferenceRules(window=4)
     again.load_state_dict(rules.state_dict())
     assert again.state_dict() == rules.state_dict()
+
+
+def test_the_report_draws_the_runs_preference_signals(clean_run):
+    out, _, history = clean_run
+    text = render_report(out, history)
+    assert "![preference signals](report/posttrain_pref.png)" in text and "RL signals" not in text
+    assert (out / "report" / "posttrain_pref.png").stat().st_size > 0
