@@ -6,8 +6,10 @@ the margins exploding with accuracy stuck at 1 (`margin_runaway`)."""
 from __future__ import annotations
 
 import pytest
+from transformers import TrainerCallback
 
 import hf_stable
+from hf_stable.callbacks.monitors.post_train_monitor import PostTrainMonitor
 from hf_stable.callbacks.monitors.preference_rules import ACCURACY, CHOSEN, KEYS, MARGIN, PreferenceRules
 from hf_stable.core.events import read_events
 from hf_stable.reporting.report import render_report
@@ -98,3 +100,43 @@ def test_the_report_draws_the_runs_preference_signals(clean_run):
     text = render_report(out, history)
     assert "![preference signals](report/posttrain_pref.png)" in text and "RL signals" not in text
     assert (out / "report" / "posttrain_pref.png").stat().st_size > 0
+
+
+class ChosenFalls(TrainerCallback):
+    """A fault in what TRL computed: from step `start` on, the chosen log-probs TRL appended for the step are lowered
+    by `rate` nats a step, before `PostTrainMonitor` reads them (TRL logs the lowered values too)."""
+
+    def __init__(self, trainer_ref: list, start: int, rate: float):
+        self.trainer_ref, self.start, self.rate = trainer_ref, start, rate
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        step = state.global_step + 1
+        vals = self.trainer_ref[0]._metrics["train"]["logps/chosen"]
+        if step >= self.start and vals:
+            vals[-1] -= self.rate * (step - self.start + 1)
+
+
+def test_the_monitor_says_likelihood_displacement_in_a_real_dpo_run(tmp_path):
+    """The rule inside the real trainer: a user's monitor with 8-step windows, the chosen log-probs made to fall from
+    step 12 while the margin grows as this run grows it: one warning event with the numbers, the hints filled in."""
+    monitor = PostTrainMonitor()
+    monitor.preference = PreferenceRules(window=8)
+    ref: list = []
+    fault = ChosenFalls(ref, start=12, rate=0.6)
+    trainer = build_trainer(
+        "dpo",
+        tmp_path,
+        data=preference_rows(4 * 28),
+        max_steps=28,
+        learning_rate=1e-2,
+        beta=1.0,
+        callbacks=[fault, monitor],
+    )
+    ref.append(trainer)
+    hf_stable.stabilize(trainer).train()
+    said = [e for e in read_events(tmp_path) if e["kind"] in RULES]
+    assert [e["kind"] for e in said] == ["likelihood_displacement"], said
+    e = said[0]
+    assert 16 < e["step"] <= 28 and e["severity"] == "warning" and e["source"] == "PostTrainMonitor"
+    assert e["fall"] > 0.1 * abs(e["reference"]) and e["margin"] > e["margin_ref"]
+    assert "learning_rate=0.01" in e["message"] and "beta=1.0" in e["message"]
