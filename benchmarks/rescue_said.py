@@ -42,9 +42,8 @@ def _groups(results: list[dict]) -> dict[tuple[str, str], list[dict]]:
 
 def events_table(results: list[dict]) -> list[str]:
     """One line per case x arm x seed of the arms that write events."""
-    lines = [
-        f"{'case':<12} {'arm':<12} {'seed':>4} {'verdict':<9} {'skips':>5} {'rollb':>5}  events (! warning, !! error)"
-    ]
+    head = f"{'case':<12} {'arm':<12} {'seed':>4} {'verdict':<9} {'skips':>5} {'rollb':>5} {'lr_x':>7}  "
+    lines = [head + "events (! warning, !! error)"]
     for (case, arm), runs in _groups(results).items():
         for r in runs:
             lines.append(
