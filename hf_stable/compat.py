@@ -63,6 +63,16 @@ def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
         setattr(optimizer, name, OrderedDict())
 
 
+def fused_optimizer_device_types() -> tuple[str, ...]:
+    """Device types torch's fused optimizer kernels run on (`torch.utils._foreach_utils`); ("cuda",) when torch
+    does not say (CPU joined in torch 2.4)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return ("cuda",)
+    return tuple(_get_fused_kernels_supported_devices())
+
+
 def scaler_unscale_once(scaler, optimizer: torch.optim.Optimizer) -> bool:
     """Unscale `optimizer`'s gradients unless `scaler` already did this step; True when it found inf/NaN.
 
