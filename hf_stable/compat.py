@@ -23,8 +23,9 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0, dtype=torch.floa
     return list(torch._foreach_norm(tensors, ord, dtype=dtype))
 
 
-def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> None:
-    """Multiply every tensor in place by `factor` (a number or a 0-d tensor on their device): `torch._foreach_mul_`."""
+def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor | list[float]) -> None:
+    """Multiply every tensor in place by `factor` (a number, a 0-d tensor on their device, or one number per
+    tensor): `torch._foreach_mul_`."""
     torch._foreach_mul_(tensors, factor)
 
 
@@ -102,6 +103,7 @@ TRAINER_METHODS = {
     "_get_grad_norm": ("self", "model", "grad_norm"),
     "_has_mixed_mesh_grads": ("self", "model"),
     "_get_train_sampler": ("self", "train_dataset"),
+    "_save_checkpoint": ("self", "model", "trial"),
     "_init_training_state": (
         "self",
         "max_steps",

@@ -41,6 +41,10 @@ def test_foreach_mul_copy_and_sub():
         torch.testing.assert_close(c, b)  # the copy did not follow the in-place change
     for d, x, b in zip(compat.foreach_sub(xs, copies), xs, before, strict=True):
         torch.testing.assert_close(d, x - b)
+    factors = [float(i + 2) for i in range(len(xs))]  # one factor per tensor, in one call
+    compat.foreach_mul_(xs, factors)
+    for x, b, f in zip(xs, before, factors, strict=True):
+        torch.testing.assert_close(x, b * 1.5 * f)
 
 
 def test_tensor_version_counts_in_place_changes():
