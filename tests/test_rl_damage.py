@@ -1,13 +1,16 @@
 """A GRPO step with damaged inputs (`hf_stable.integrations.rl_damage`) is skipped on every rank, on a real tiny
 GRPOTrainer under `stabilize` (CPU, TRL's defaults): NaN old log-probs, or every importance ratio x22026 (the old
 log-probs lowered by 10), at one step -> that step is skipped with reason ``damaged`` and the numbers, the weights are
-unchanged on that step and finite after; a clean run skips nothing and says nothing at warning level (no
+unchanged on that step and finite after, and the batch it trained on is written to
+``posttrain_rollouts/step-<N>-step_skipped.jsonl``; a clean run skips nothing and says nothing at warning level (no
 ``attn_monitor_inactive``: stabilize's default config follows the user's ``sdpa`` model).
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +40,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def test_a_damaged_step_is_skipped_and_the_weights_stay_finite(grpo_run):
-    kind, _trainer, recorder, events = grpo_run
+    kind, trainer, recorder, events = grpo_run
     skipped = [e for e in events if e["kind"] == "step_skipped"]
     w = recorder.weights
     assert all_finite(w[max(w)])
@@ -56,6 +59,13 @@ def test_a_damaged_step_is_skipped_and_the_weights_stay_finite(grpo_run):
         assert noise["ratio_tail"] > 0 and noise["nonfinite_logps"] == 0
         assert noise["ratio_max"] == pytest.approx(math.exp(10), rel=1e-3)
         assert "importance ratios above 1000" in skipped[0]["message"]
+    # the generation batch the step trained on: prompts, completions, rewards, advantages (one row per completion)
+    rel = skipped[0]["rollouts"]
+    assert rel == f"posttrain_rollouts/step-{FAULT_STEP}-step_skipped.jsonl" and rel in skipped[0]["message"]
+    rows = [json.loads(line) for line in (Path(trainer.args.output_dir) / rel).read_text().splitlines()]
+    assert len(rows) == 8 and [r["group"] for r in rows] == [0] * 4 + [1] * 4
+    assert all(r["completion"] and r["prompt"] and set(r) >= {"rewards", "advantage"} for r in rows)
+    assert sum(r["advantage"] for r in rows) == pytest.approx(0.0, abs=1e-4)  # advantages centred per group
 
 
 def test_stock_grpo_takes_the_nan_old_logprobs_into_its_weights(tmp_path):

@@ -131,6 +131,7 @@ def _read_signals(trainer: Trainer, family: TrainerFamily) -> None:
         for cb in callbacks:
             if isinstance(cb, SkipGuard):
                 cb.no_signal_warn_steps = None
+                cb.skip_detail = monitor.skipped_rollouts  # a skipped step names its prompts and completions
 
 
 def _ours(callback) -> bool:

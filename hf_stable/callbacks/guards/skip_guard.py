@@ -100,6 +100,8 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         # zero-gradient steps in a row worth a warning; None: another callback says why (`PostTrainMonitor` reads
         # the reward spread of an RL trainer and names the cause and the fix; `hf_stable.stabilize` sets it)
         self.no_signal_warn_steps: int | None = _NO_SIGNAL_WARN
+        # fn(step, reasons) -> extra fields of a `step_skipped` event (the rollouts of a GRPO step: `stabilize`)
+        self.skip_detail: Callable[[int, list[str]], dict] | None = None
 
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:
@@ -268,16 +270,19 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
             loss_txt = "n/a" if loss is None else f"{loss:.4g}"
             ref = "n/a" if self._norm_ema is None else f"{self._norm_ema:.4g}"
             evidence = {k: round(v, 4) for k, v in self.last_evidence.items() if v is not None}
+            detail = self.skip_detail(step, reasons) if self.skip_detail is not None else {}
+            where = f"; rollouts: {detail['rollouts']}" if detail.get("rollouts") else ""
             self.event(
                 step,
                 "step_skipped",
                 f"step {step} skipped on every rank ({', '.join(reasons)}): grad norm {grad_norm:.4g} "
-                f"(EMA {ref}), loss {loss_txt}{explain(reasons, evidence, self.config)}; optimizer state untouched",
+                f"(EMA {ref}), loss {loss_txt}{explain(reasons, evidence, self.config)}; optimizer state untouched{where}",
                 value=grad_norm,
                 severity="warning",
                 reasons=reasons,
                 loss=verdict.loss,
                 noise=evidence,
+                **detail,
             )
         self.record({"guard/skipped": float(verdict.skip), "guard/skipped_total": float(self._skipped_total)})
         self.last_verdict = verdict
