@@ -30,6 +30,7 @@ import weakref
 from pathlib import Path
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.monitors.rl_rules import RLRules
 from hf_stable.integrations.trl_signals import GenerationBatch, current_batch, nonfinite_counts, rollout_rows
 
 NAMESPACE = "posttrain/"
@@ -60,6 +61,7 @@ class PostTrainMonitor(StabilityCallback):
         self.zero_std_groups = zero_std_groups
         self._reader = None
         self._trainer_ref = None  # a generating trainer (GRPO, RLOO): its latest batch goes with a skipped step
+        self.rl_rules: RLRules | None = None  # entropy, KL, length, truncation, ratio tail (GRPO, RLOO: `bind`)
         self._trainer_name = "the trainer"
         self._hints: dict[str, object] = {}
         self._zero = {"batches": 0, "groups": 0, "said": False, "fracs": []}
@@ -72,6 +74,7 @@ class PostTrainMonitor(StabilityCallback):
 
         self._reader = family.signal_reader(trainer)
         self._trainer_ref = weakref.ref(trainer) if family.signals == "generation" else None
+        self.rl_rules = RLRules() if family.signals == "generation" and self.rl_rules is None else self.rl_rules
         self._trainer_name = trainer_name(trainer)
         self._hints = {
             "num_generations": getattr(trainer, "num_generations", None),
@@ -80,11 +83,14 @@ class PostTrainMonitor(StabilityCallback):
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"zero": dict(self._zero), "nonfinite_seen": dict(self._nonfinite_seen)}
+        rl = self.rl_rules.state_dict() if self.rl_rules is not None else None
+        return {"zero": dict(self._zero), "nonfinite_seen": dict(self._nonfinite_seen), "rl_rules": rl}
 
     def load_state_dict(self, state: dict) -> None:
         self._zero.update(state.get("zero", {}))
         self._nonfinite_seen = dict(state.get("nonfinite_seen", {}))
+        if self.rl_rules is not None and state.get("rl_rules"):
+            self.rl_rules.load_state_dict(state["rl_rules"])
 
     # --- decisions (pure: testable on constructed batches) -------------------------------------
     def observe_batch(self, step: int, batch: GenerationBatch) -> list[dict]:
@@ -186,6 +192,22 @@ class PostTrainMonitor(StabilityCallback):
             )
         ]
 
+    def _judge_rl(self, step: int, values: dict[str, list[float]]) -> list[dict]:
+        """`RLRules` over this step's means; each event carries the numbers compared and the current generation
+        batch's rollouts (``posttrain_rollouts/step-<N>-<event>.jsonl``)."""
+        means = {k: sum(v) / len(v) for k, v in values.items() if v}
+        events = []
+        for hit in self.rl_rules.observe(means):
+            trainer = self._trainer_ref() if self._trainer_ref is not None else None
+            batch = current_batch(trainer) if trainer is not None else None
+            rel = self._write_rollouts(step, batch, hit["kind"], every_group=True)
+            message = f"step {step}: {hit['message']}" + (f"; rollouts: {rel}" if rel else "")
+            fields = {"key": hit["key"], "early": hit["early"], "threshold": hit["bar"]}
+            events.append(
+                self.event(step, hit["kind"], message, value=hit["now"], rollouts=rel, severity="warning", **fields)
+            )
+        return events
+
     def skipped_rollouts(self, step: int, reasons: list[str]) -> dict:
         """`SkipGuard.skip_detail`: the prompts, completions, rewards and advantages of the generation batch a
         skipped GRPO / RLOO step trained on, to ``posttrain_rollouts/step-<N>-step_skipped.jsonl``; the skip event's
@@ -216,3 +238,5 @@ class PostTrainMonitor(StabilityCallback):
         self.record({NAMESPACE + key: s / n for key, (s, n) in self._since_log.items() if n})
         for batch in signals.batches:
             self.observe_batch(step, batch)
+        if self.rl_rules is not None:
+            self._judge_rl(step, signals.values)
