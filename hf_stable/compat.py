@@ -120,6 +120,29 @@ def has_mixed_mesh_grads(trainer, model) -> bool:
     return trainer._has_mixed_mesh_grads(model)
 
 
+def keep_train_column(trainer, name: str) -> None:
+    """Make the Trainer's unused-column removal (`Trainer._remove_unused_columns`, ``remove_unused_columns=True``)
+    keep the dataset column `name`: it is added to ``trainer._signature_columns``, which TRL's DPO / KTO trainers set
+    in their `_set_signature_columns_if_needed` (the tokenized columns)."""
+    trainer._set_signature_columns_if_needed()
+    columns = list(trainer._signature_columns or [])
+    if name not in columns:
+        trainer._signature_columns = columns + [name]
+
+
+# --- datasets: a filtered dataset's index mapping ------------------------------------------------------------------
+
+
+def dataset_source_rows(dataset) -> list[int]:
+    """For each row of a `datasets.Dataset`, its row in the table it was filtered / selected from: a ``filter`` (TRL
+    drops over-long prompts after tokenizing) keeps the table and an index mapping (``Dataset._indices``);
+    ``range(len)`` when there is none."""
+    indices = getattr(dataset, "_indices", None)
+    if indices is None:
+        return list(range(len(dataset)))
+    return [int(i) for i in indices.column(0).to_pylist()]
+
+
 # --- bitsandbytes: the CPU inference repack of 4-bit weights --------------------------------------------------------
 
 

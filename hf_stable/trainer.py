@@ -234,7 +234,7 @@ class StableTrainer(Trainer):
             )
         tap = StepTap.shared(self.model) if self.model is not None else None
         if tap is not None and tap.objective is not None:  # `hf_stable.stabilize`: the guards judge this loss
-            tap.note_objective(out[0] if return_outputs else out, inputs)
+            tap.note_objective(out[0] if return_outputs else out, inputs, record_ids)
         return out
 
     def _training_forward(self, model, inputs, return_outputs: bool):

@@ -171,3 +171,24 @@ def test_dynamo_compile_counts_count_compiles_recompiles_and_breaks():
     assert counts["graphs"] == 4 and counts["graph_breaks"] >= 1 and counts["frames_at_limit"] == 0
     compat.reset_dynamo()
     assert compat.dynamo_compile_counts() == dict.fromkeys(counts, 0)
+
+
+def test_dataset_source_rows_reads_a_filters_index_mapping():
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list([{"x": i} for i in range(6)])
+    assert compat.dataset_source_rows(ds) == list(range(6))
+    kept = ds.map(lambda r: {"y": r["x"] * 2}).filter(lambda r: r["x"] % 3 != 1)  # TRL: map (tokenize), then filter
+    assert compat.dataset_source_rows(kept) == [0, 2, 3, 5] == kept["x"]
+
+
+def test_keep_train_column_extends_trls_signature_columns(tmp_path):
+    pytest.importorskip("trl")
+    from tests.dist_scripts.posttrain_common import build_trainer
+
+    trainer = build_trainer("dpo", tmp_path, max_steps=1)
+    compat.keep_train_column(trainer, "extra")
+    compat.keep_train_column(trainer, "extra")
+    assert trainer._signature_columns[:3] == ["prompt_ids", "chosen_ids", "rejected_ids"]
+    assert trainer._signature_columns.count("extra") == 1
+    kept = trainer._remove_unused_columns(trainer.train_dataset.add_column("extra", [0] * len(trainer.train_dataset)))
+    assert "extra" in kept.column_names and "prompt" not in kept.column_names

@@ -4,7 +4,7 @@ OUT/<kind>/rank<i>.json and its final trainable weights OUT/<kind>/rank<i>.pt.
 Launched by tests/test_posttrain_ddp.py as `torchrun --nproc_per_node 2 posttrain_ddp.py OUT`. Faults on rank 1 only:
 step 3 a NaN forward (DDP's all-reduce spreads it to both ranks' gradients), step 5 one gradient NaN *after* the
 all-reduce (only the agreed decision keeps rank 0 from stepping). Both ranks must skip steps 3 and 5, write the same
-events and end with bitwise identical finite weights. `POSTTRAIN_DDP_ENGINE=zero2` runs under DeepSpeed ZeRO-2 (the
+events (a skipped DPO step names both ranks' pairs, gathered) and end with bitwise identical finite weights. `POSTTRAIN_DDP_ENGINE=zero2` runs under DeepSpeed ZeRO-2 (the
 forward fault only), `POSTTRAIN_DDP_KINDS` picks the trainers.
 """
 
@@ -49,6 +49,7 @@ def run(out: Path, kind: str, engine: str) -> None:
             s for s in (3, 5) if all(torch.equal(faults.weights[s - 1][k], v) for k, v in faults.weights[s].items())
         ],
         "events": [e["kind"] for c in ours for e in c.events if e["kind"] != "objective_not_judged"],
+        "pairs": {e["step"]: e["records"] for c in ours for e in c.events if e["kind"] == "step_pairs"},
     }
     torch.save(faults.weights[7], out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
