@@ -4,8 +4,9 @@
 
 Writes train.jsonl (~2k records, some deliberately dirty: zero-width and control characters, empty
 `input`, outputs with and without a trailing newline) and eval.jsonl (~200 held-out prompts that never
-appear in train). The files are committed as package data (`hf_stable/embedded/data`, which `data/embedded` links
-to; recipes name them `embedded:train` / `embedded:eval`); rerunning with the same seed reproduces them byte for byte.
+appear in train), and the DPO preference pairs pairs_train.jsonl / pairs_eval.jsonl (``hf_stable/embedded/pairs.py``:
+chosen = the computed answer, rejected = a plausible wrong one). The files are committed as package data (`hf_stable/embedded/data`, which `data/embedded` links
+to; recipes name them `embedded:train` / `embedded:eval` / `embedded:pairs_train` / `embedded:pairs_eval`); rerunning with the same seed reproduces them byte for byte.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
+from hf_stable.embedded.pairs import preference_pairs
 from hf_stable.embedded.tasks import instruction_dataset
 
 # Characters that some line readers treat as line breaks (str.splitlines does): keep them escaped so one
@@ -42,7 +44,13 @@ def main() -> None:
     train, held_out = instruction_dataset(args.seed, args.n_train, args.n_eval)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "eval.jsonl", held_out)
-    print(f"wrote {len(train)} train and {len(held_out)} eval records to {out}")
+    pairs_train, pairs_eval = preference_pairs(args.seed)
+    write_jsonl(out / "pairs_train.jsonl", pairs_train)
+    write_jsonl(out / "pairs_eval.jsonl", pairs_eval)
+    print(
+        f"wrote {len(train)} train and {len(held_out)} eval records, {len(pairs_train)} train and "
+        f"{len(pairs_eval)} eval preference pairs to {out}"
+    )
 
 
 if __name__ == "__main__":
