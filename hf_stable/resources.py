@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from importlib.resources import as_file, files
 from pathlib import Path
 
-EMBEDDED_DATASETS = ("train", "eval")
+EMBEDDED_DATASETS = ("train", "eval", "grpo")  # grpo: prompts + answers for the GRPO stage
 
 # A zipped install extracts a resource to a temporary file that must outlive the call: closed at exit.
 _extracted = ExitStack()

@@ -112,6 +112,18 @@ def check_stages(cfg, problems: list[str]) -> None:
                 problems.append(str(e))
             continue
         setattr(cfg, stage, check_stage_section(stage, section, problems))
+    if cfg.stage == "grpo":
+        from hf_stable.rewards import SHIPPED
+
+        for name in cfg.rewards:
+            if ":" not in name and name not in SHIPPED:
+                close = did_you_mean(name, SHIPPED)
+                hint = f"did you mean {' or '.join(close)}? " if close else ""
+                problems.append(
+                    f"rewards: unknown reward {name!r} ({hint}shipped: {', '.join(SHIPPED)}; yours: 'module:function')"
+                )
+        if not cfg.rewards:
+            problems.append("rewards: empty; name at least one (e.g. exact_answer)")
     if cfg.model.start_from is not None and cfg.stage == "sft":
         problems.append(
             "model.start_from: only for stage dpo or grpo (a later stage continues the SFT run's adapter); "
