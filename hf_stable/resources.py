@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from importlib.resources import as_file, files
 from pathlib import Path
 
-EMBEDDED_DATASETS = ("train", "eval", "pairs_train", "pairs_eval")  # pairs_*: DPO preference pairs
+EMBEDDED_DATASETS = ("train", "eval", "grpo", "pairs_train", "pairs_eval")  # grpo: GRPO prompts; pairs_*: DPO
 
 # A zipped install extracts a resource to a temporary file that must outlive the call: closed at exit.
 _extracted = ExitStack()

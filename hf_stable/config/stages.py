@@ -28,6 +28,10 @@ _OWNED_BY_RECIPE = {
 }
 
 
+# TrainingArguments fields whose default TRL's configs change, kept at TrainingArguments' default unless set
+_TRAINING_DEFAULTS = {"bf16": False, "gradient_checkpointing": False}
+
+
 def require_trl(stage: str):
     """Import and return `trl`, or raise a one-line `MissingDependencyError` naming the extra to install."""
     try:
@@ -112,6 +116,18 @@ def check_stages(cfg, problems: list[str]) -> None:
                 problems.append(str(e))
             continue
         setattr(cfg, stage, check_stage_section(stage, section, problems))
+    if cfg.stage == "grpo":
+        from hf_stable.rewards import SHIPPED
+
+        for name in cfg.rewards:
+            if ":" not in name and name not in SHIPPED:
+                close = did_you_mean(name, SHIPPED)
+                hint = f"did you mean {' or '.join(close)}? " if close else ""
+                problems.append(
+                    f"rewards: unknown reward {name!r} ({hint}shipped: {', '.join(SHIPPED)}; yours: 'module:function')"
+                )
+        if not cfg.rewards:
+            problems.append("rewards: empty; name at least one (e.g. exact_answer)")
     if cfg.model.start_from is not None and cfg.stage == "sft":
         problems.append(
             "model.start_from: only for stage dpo or grpo (a later stage continues the SFT run's adapter); "
@@ -121,7 +137,9 @@ def check_stages(cfg, problems: list[str]) -> None:
 
 def stage_arguments(cfg, **forced: Any):
     """`trl.DPOConfig` / `trl.GRPOConfig` from `training:` + the stage's section + values the recipe owns
-    (`forced`), the stage counterpart of `training_arguments`. DPO's `max_length` is `data.max_length`.
+    (`forced`), the stage counterpart of `training_arguments`. DPO's `max_length` is `data.max_length`. `bf16` and
+    `gradient_checkpointing` not set under `training:` keep TrainingArguments' defaults (off), as in the SFT stage,
+    where TRL's configs turn both on.
 
     Raises:
         ConfigError: when TRL's config rejects the values; the message names the stage.
@@ -132,6 +150,8 @@ def stage_arguments(cfg, **forced: Any):
     kwargs.update(getattr(cfg, cfg.stage))
     kwargs.setdefault("output_dir", str(Path("outputs") / Path(cfg.source or "run").stem))
     kwargs.setdefault("ddp_find_unused_parameters", False)
+    for key, value in _TRAINING_DEFAULTS.items():  # TRL's own defaults: bf16 on (fails on CPU), checkpointing on
+        kwargs.setdefault(key, value)
     if cfg.stage == "dpo":
         kwargs["max_length"] = cfg.data.max_length
     kwargs.update(forced)

@@ -67,17 +67,19 @@ def add_chain_to_card(output_dir, chain: list[str], base_model: str) -> None:
     path.write_text(f"{head}{sep}\n{line}{body.lstrip()}" if sep else line + body, encoding="utf-8")
 
 
-def save_stage_outputs(cfg, setup: StageSetup, trainer, tokenizer, summary: dict) -> dict:
-    """Adapter, state, tokenizer; the merged export when `export.merged`; plots, report, model card (naming the stage
-    chain) and run_summary.json. Returns the summary as written."""
+def save_stage_outputs(cfg, setup: StageSetup, trainer, tokenizer, summary: dict, stop_token_ids=None) -> dict:
+    """Adapter, state, tokenizer, generation config (stopping at `stop_token_ids`, default the EOS); the merged
+    export when `export.merged`; plots, report, model card (naming the stage chain) and run_summary.json. Returns
+    the summary as written."""
     from hf_stable.export.exporter import export_after_training
-    from hf_stable.reporting import finalize_outputs
+    from hf_stable.reporting import finalize_outputs, save_generation_config
 
     out = setup.args.output_dir
     trainer.save_model(out)
     trainer.save_state()
     if is_main_process():
         tokenizer.save_pretrained(out)
+        save_generation_config(out, trainer.model, tokenizer, list(stop_token_ids or [tokenizer.eos_token_id]))
         if setup.start is not None and setup.start.kind == "adapter":
             _copy_repair(setup.start.path, out)
     summary = {"stage": cfg.stage, "stage_chain": setup.chain, **summary}
