@@ -97,6 +97,9 @@ def attn_implementation(model_or_config) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
+# TRL `DPOTrainer` methods the DPO stage overrides (`hf_stable.stages.dpo.PairsDPOTrainer`): name -> parameters.
+TRL_DPO_METHODS = {"_prepare_dataset": ("self", "dataset", "processing_class", "args", "dataset_name")}
+
 # Trainer methods `StableTrainer` overrides or calls: name -> parameter names (self first), as we call them.
 TRAINER_METHODS = {
     "_clip_grad_norm": ("self", "model"),

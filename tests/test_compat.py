@@ -141,6 +141,15 @@ def test_private_trainer_methods_exist_with_the_signature_we_use(name):
     assert not any(p.default is inspect.Parameter.empty for n, p in params.items() if n == "grad_norm")
 
 
+@pytest.mark.parametrize("name", sorted(compat.TRL_DPO_METHODS))
+def test_private_dpo_trainer_methods_exist_with_the_signature_we_override(name):
+    trl = pytest.importorskip("trl")
+    from hf_stable.stages.dpo import _trainer_class
+
+    assert tuple(inspect.signature(getattr(trl.DPOTrainer, name)).parameters) == compat.TRL_DPO_METHODS[name]
+    assert tuple(inspect.signature(getattr(_trainer_class(), name)).parameters) == compat.TRL_DPO_METHODS[name]
+
+
 def test_has_mixed_mesh_grads_on_a_plain_model(tmp_path):
     model = transformers.LlamaForCausalLM(_tiny_config())
     args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
