@@ -1,7 +1,7 @@
 """Post-training benchmark: real TRL trainers (DPO, KTO, GRPO; tiny LoRA Llama, CPU, TRL's defaults) under
 `hf_stable.stabilize` against stock TRL.
 
-    OMP_NUM_THREADS=1 python benchmarks/posttrain.py [--seeds 0,1,2] [--steps 20] [--part clean,faults,rewards,clip]
+    OMP_NUM_THREADS=1 python benchmarks/posttrain.py [--seeds 0,1,2] [--steps 20] [--part clean,faults,rewards,rl,clip]
 
 * ``clean``: DPO and GRPO, no fault, per seed: guards on (`stabilize`), guards off (`stabilize` with
   ``guards.enabled: false``: monitors only) and stock TRL. Columns: skipped steps, rollbacks, the final objective (DPO:
@@ -12,6 +12,12 @@
   one completion's reward replaced by ``inf`` or NaN on the reward function's 9th call (step 9), stock TRL vs
   `stabilize`: completes, weights finite, the `reward_nonfinite` event (its step and count), skipped, and the final
   reward (mean of the last 5 steps) against the clean run's. The clean column counts `PostTrainMonitor` warnings.
+* ``rl``: GRPO (batch 8, 4 generations, the dense digit reward) per seed, stock TRL vs `stabilize`, against a clean
+  run: NaN old log-probs at steps 9-10, every importance ratio x22026 (old log-probs - 10) at steps 9-10
+  (`RolloutFaults`), and a KL push (beta 0.04, the policy's head x30 so the tiny policy can move away from its
+  reference; every LoRA B + N(0, 1) before step 9, against a clean run with the same head): completes, weights
+  finite, the warning-level events raised (kind@step), skipped steps, and the final reward (mean of the last 5
+  steps) against the clean run's (%).
 * ``clip``: healthy DPO at LR 2e-3 with the adaptive ClipGuard forced on (the objective's default is off): the steps
   it scaled, and the smallest coefficient.
 
@@ -33,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "dist_scripts"))
 
-from posttrain_common import StepFaults, all_finite, build_trainer, trainable
+from posttrain_common import RolloutFaults, StepFaults, all_finite, build_trainer, trainable
 
 import hf_stable
 from hf_stable.config import RunConfig
@@ -143,6 +149,87 @@ def reward_run(fault: str, stabilized: bool, seed: int, steps: int, tmp: Path) -
     }
 
 
+RL_CASES = {
+    "clean": {},
+    "nan_old": {"nan_old": [FAULT_STEP, FAULT_STEP + 1]},
+    "ratio": {"ratio": [FAULT_STEP, FAULT_STEP + 1]},
+    "clean_sharp": {},
+    "kl_push": {},
+}
+
+
+def _push(trainer, step: int, seed: int):
+    """Every LoRA B + N(0, 1) at the start of optimizer step `step` (the policy pushed from its reference)."""
+    import torch
+    from transformers import TrainerCallback
+
+    class Push(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == step:
+                g = torch.Generator().manual_seed(seed)
+                with torch.no_grad():
+                    for n, p in trainer.model.named_parameters():
+                        if "lora_B" in n:
+                            p.add_(torch.randn(p.shape, generator=g))
+
+    trainer.add_callback(Push())
+
+
+def rl_run(case: str, stabilized: bool, seed: int, steps: int, tmp: Path) -> dict:
+    import torch
+
+    out = tmp / f"rl-{case}-{int(stabilized)}-{seed}"
+    sharp = case in ("clean_sharp", "kl_push")
+    trainer = build_trainer(
+        "grpo", out, seed=seed, max_steps=steps, per_device_train_batch_size=8, **({"beta": 0.04} if sharp else {})
+    )
+    if sharp:
+        with torch.no_grad():
+            trainer.model.get_output_embeddings().weight.mul_(30.0)
+    if case == "kl_push":
+        _push(trainer, FAULT_STEP, seed)
+    RolloutFaults(trainer, **RL_CASES[case])
+    if stabilized:
+        hf_stable.stabilize(trainer)
+    completed, error = True, ""
+    try:
+        _quiet(trainer.train)
+    except Exception as e:  # noqa: BLE001 - a crash is a result here
+        completed, error = False, type(e).__name__
+    events = _events(out)
+    said = [f"{e['kind']}@{e['step']}" for e in events if e.get("severity") in ("warning", "error", "critical")]
+    return {
+        "completed": completed,
+        "error": error,
+        "finite": all_finite(trainable(trainer.model)),
+        "events": ", ".join(dict.fromkeys(said)) or "none",
+        "skips": sorted(e["step"] for e in events if e["kind"] == "step_skipped"),
+        "reward": _objective(trainer, "grpo") if completed else math.nan,
+    }
+
+
+def rl_table(seeds: list[int], steps: int, tmp: Path) -> None:
+    print(
+        "| case | seed | stock: completes / finite / reward vs clean | stabilize: completes / finite / events "
+        "(warning+) / skipped steps / reward vs clean |"
+    )
+    print("|---|---|---|---|---|")
+    for seed in seeds:
+        clean = {}
+        for case in RL_CASES:
+            s, h = rl_run(case, False, seed, steps, tmp), rl_run(case, True, seed, steps, tmp)
+            if case.startswith("clean"):
+                clean[case] = h["reward"]
+            ref = clean["clean_sharp" if case in ("clean_sharp", "kl_push") else "clean"]
+
+            def rel(r, ref=ref):
+                return f"{r['reward']:.4f} ({100 * (r['reward'] / ref - 1):+.1f}%)" if ref else f"{r['reward']:.4f}"
+
+            stock = f"{'yes' if s['completed'] else 'no (' + s['error'] + ')'} / {'yes' if s['finite'] else 'NO'}"
+            ours = f"{'yes' if h['completed'] else 'no'} / {'yes' if h['finite'] else 'NO'} / {h['events']}"
+            print(f"| {case} | {seed} | {stock} / {rel(s)} | {ours} / {h['skips'] or 'none'} / {rel(h)} |", flush=True)
+
+
 def clip_run(steps: int, tmp: Path) -> tuple[int, float, int]:
     out = tmp / "clip"
     trainer = build_trainer("dpo", out, max_steps=steps, learning_rate=2e-3, beta=1.0)
@@ -216,6 +303,9 @@ def main() -> None:
                     f"{'yes' if h['finite'] else 'NO'} / {h['event'] or 'none'} / {h['skipped']} / {rel(h)} |",
                     flush=True,
                 )
+    if "rl" in parts:
+        print()
+        rl_table(seeds, a.steps, tmp)
     if "clip" in parts:
         scaled, low, n = clip_run(3 * a.steps, tmp)
         print(

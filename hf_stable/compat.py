@@ -23,8 +23,9 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0, dtype=torch.floa
     return list(torch._foreach_norm(tensors, ord, dtype=dtype))
 
 
-def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> None:
-    """Multiply every tensor in place by `factor` (a number or a 0-d tensor on their device): `torch._foreach_mul_`."""
+def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor | list[float]) -> None:
+    """Multiply every tensor in place by `factor` (a number, a 0-d tensor on their device, or one number per
+    tensor): `torch._foreach_mul_`."""
     torch._foreach_mul_(tensors, factor)
 
 
@@ -63,6 +64,16 @@ def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
         setattr(optimizer, name, OrderedDict())
 
 
+def fused_optimizer_device_types() -> tuple[str, ...]:
+    """Device types torch's fused optimizer kernels run on (`torch.utils._foreach_utils`); ("cuda",) when torch
+    does not say (CPU joined in torch 2.4)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return ("cuda",)
+    return tuple(_get_fused_kernels_supported_devices())
+
+
 def scaler_unscale_once(scaler, optimizer: torch.optim.Optimizer) -> bool:
     """Unscale `optimizer`'s gradients unless `scaler` already did this step; True when it found inf/NaN.
 
@@ -86,12 +97,16 @@ def attn_implementation(model_or_config) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
+# TRL `DPOTrainer` methods the DPO stage overrides (`hf_stable.stages.dpo.PairsDPOTrainer`): name -> parameters.
+TRL_DPO_METHODS = {"_prepare_dataset": ("self", "dataset", "processing_class", "args", "dataset_name")}
+
 # Trainer methods `StableTrainer` overrides or calls: name -> parameter names (self first), as we call them.
 TRAINER_METHODS = {
     "_clip_grad_norm": ("self", "model"),
     "_get_grad_norm": ("self", "model", "grad_norm"),
     "_has_mixed_mesh_grads": ("self", "model"),
     "_get_train_sampler": ("self", "train_dataset"),
+    "_save_checkpoint": ("self", "model", "trial"),
     "_init_training_state": (
         "self",
         "max_steps",

@@ -41,6 +41,10 @@ def test_foreach_mul_copy_and_sub():
         torch.testing.assert_close(c, b)  # the copy did not follow the in-place change
     for d, x, b in zip(compat.foreach_sub(xs, copies), xs, before, strict=True):
         torch.testing.assert_close(d, x - b)
+    factors = [float(i + 2) for i in range(len(xs))]  # one factor per tensor, in one call
+    compat.foreach_mul_(xs, factors)
+    for x, b, f in zip(xs, before, factors, strict=True):
+        torch.testing.assert_close(x, b * 1.5 * f)
 
 
 def test_tensor_version_counts_in_place_changes():
@@ -95,6 +99,20 @@ def test_scaler_unscale_once_unscales_once_and_reports_overflow():
     assert compat.scaler_unscale_once(scaler, opt) is True
 
 
+def test_fused_optimizer_device_types_name_where_fused_adamw_runs():
+    kinds = compat.fused_optimizer_device_types()
+    assert "cuda" in kinds
+    assert ("cpu" in kinds) == (tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 4))
+    if "cpu" in kinds:  # what the list promises: a fused AdamW step on this device type, same as the for-loop one
+        ws = [torch.nn.Parameter(torch.tensor([1.0, -2.0])) for _ in range(2)]
+        for w, fused in zip(ws, (True, False), strict=True):
+            w.grad = torch.tensor([0.5, 0.25])
+            kernel = {"fused": True} if fused else {"foreach": False}
+            torch.optim.AdamW([w], lr=0.1, weight_decay=0.01, **kernel).step()
+        torch.testing.assert_close(ws[0].detach(), ws[1].detach())
+        assert not torch.equal(ws[0].detach(), torch.tensor([1.0, -2.0]))
+
+
 def _tiny_config():
     return transformers.LlamaConfig(
         vocab_size=32,
@@ -121,6 +139,15 @@ def test_private_trainer_methods_exist_with_the_signature_we_use(name):
     params = inspect.signature(method).parameters
     assert tuple(params) == compat.TRAINER_METHODS[name]
     assert not any(p.default is inspect.Parameter.empty for n, p in params.items() if n == "grad_norm")
+
+
+@pytest.mark.parametrize("name", sorted(compat.TRL_DPO_METHODS))
+def test_private_dpo_trainer_methods_exist_with_the_signature_we_override(name):
+    trl = pytest.importorskip("trl")
+    from hf_stable.stages.dpo import _trainer_class
+
+    assert tuple(inspect.signature(getattr(trl.DPOTrainer, name)).parameters) == compat.TRL_DPO_METHODS[name]
+    assert tuple(inspect.signature(getattr(_trainer_class(), name)).parameters) == compat.TRL_DPO_METHODS[name]
 
 
 def test_has_mixed_mesh_grads_on_a_plain_model(tmp_path):

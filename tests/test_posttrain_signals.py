@@ -64,7 +64,7 @@ def test_an_inf_reward_is_named_with_its_step_and_count(inf_run):
     assert "'flaky_reward' returned inf for 1 of 8 completions" in e["message"]
     assert "advantages" in e["message"] and "to 0" in e["message"]
     # the affected group (completion 1: group 0 of 4) written out, so the user sees what was scored
-    assert e["rollouts"] == "posttrain_rollouts/step-3.jsonl" and e["rollouts"] in e["message"]
+    assert e["rollouts"] == "posttrain_rollouts/step-3-reward_nonfinite.jsonl" and e["rollouts"] in e["message"]
     rows = [json.loads(line) for line in (out / e["rollouts"]).read_text().splitlines()]
     assert [(r["index"], r["group"]) for r in rows] == [(0, 0), (1, 0), (2, 0), (3, 0)]
     assert rows[1]["rewards"] == {"flaky_reward": "inf"} and rows[0]["prompt"].startswith("count up")

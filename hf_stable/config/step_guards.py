@@ -17,6 +17,13 @@ class SkipConfig:
 
     enabled: bool = field(default=True, metadata=_h("Skip bad optimizer steps."))
     nonfinite: bool = field(default=True, metadata=_h("Skip when any gradient or the step loss is NaN/Inf."))
+    damage_rules: bool = field(
+        default=True,
+        metadata=_h(
+            "GRPO/RLOO under stabilize: skip a step whose old/sampling log-probs are NaN/Inf or whose importance "
+            "ratio exceeds 1000 on some completion token (reason 'damaged')."
+        ),
+    )
     grad_spike_ratio: float | None = field(
         default=10.0, metadata=_h("Skip when the pre-clip global grad norm exceeds this x its EMA ... null = off.")
     )

@@ -74,4 +74,9 @@ def explain(reasons: list[str], ev: dict, cfg) -> str:
         sigma = ev.get("rise_sigma")
         noise = f", {ev['rise_log'] / sigma:.3g} sd of its noise {sigma:.3g}" if sigma else ""
         parts.append(f"loss trend x{math.exp(ev['rise_log']):.3g} the recent best{noise}")
+    if "damaged" in reasons and "ratio_tail" in ev:
+        parts.append(
+            f"damaged RL inputs: {ev['nonfinite_logps']:.0f} non-finite old/sampling log-probs, "
+            f"{ev['ratio_tail']:.0f} importance ratios above 1000 (largest {ev.get('ratio_max', math.nan):.4g})"
+        )
     return f" - {'; '.join(parts)}" if parts else ""

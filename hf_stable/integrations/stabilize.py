@@ -14,6 +14,8 @@ One line for any `Trainer` subclass (`Trainer`, TRL's `SFTTrainer`, `DPOTrainer`
 * for a TRL trainer that computes signals of its own (DPO, KTO, GRPO, RLOO: reward, KL, entropy, margins ...), a
   `PostTrainMonitor` reads them before each optimizer step, logs them as ``posttrain/*`` and names what they show
   (a reward function returning inf/NaN, no learning signal): docs/post-training.md;
+* for GRPO / RLOO, a step whose log-probs are non-finite or whose importance ratio explodes is skipped on every rank
+  (`rl_damage`, the skip guard's ``damaged`` rule).
 * for a DPO / KTO trainer, every batch carries its records' dataset indices (`forensics.pairs`) and a skipped step
   names them (`PairForensics`: a ``step_pairs`` event and ``skipped_pairs.jsonl``; ``file:line`` with `records`).
 
@@ -37,10 +39,13 @@ from hf_stable.callbacks.guards import SkipGuard
 from hf_stable.callbacks.monitors.post_train_monitor import PostTrainMonitor
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.callbacks.pair_forensics import PairForensics
+from hf_stable.compat import attn_implementation
 from hf_stable.config import RunConfig
+from hf_stable.config.attention import ATTN_IMPLEMENTATION
 from hf_stable.core.engine import refuse_fsdp1
 from hf_stable.core.step_tap import StepTap
 from hf_stable.forensics.pairs import tag_records
+from hf_stable.integrations import rl_damage
 from hf_stable.integrations.trainer_families import TrainerFamily, family_of
 from hf_stable.trainer import StableTrainer
 
@@ -84,7 +89,7 @@ def stabilize(trainer: Trainer, cfg: RunConfig | None = None, records=None) -> T
         return trainer
     refuse_fsdp1(trainer.args)
     family = family_of(trainer)
-    cfg = family.configure(cfg if cfg is not None else RunConfig())
+    cfg = family.configure(cfg if cfg is not None else _default_config(trainer))
     had_stable = isinstance(trainer, StableTrainer)
     trainer.__class__ = stable_class(type(trainer))
     tagged = family.name == "preference" and tag_records(trainer)  # before _stable_setup asks for the ids
@@ -99,10 +104,24 @@ def stabilize(trainer: Trainer, cfg: RunConfig | None = None, records=None) -> T
     if not family.model_loss and trainer.model is not None:
         StepTap.shared(trainer.model).judge_objective(_objective_of(trainer, family))
     _read_signals(trainer, family)
+    if family.signals == "generation":  # GRPO / RLOO: a step with damaged log-probs is skipped (`rl_damage`)
+        rl_damage.watch(trainer)
     if tagged:
         _name_pairs(trainer, records)
     trainer._hf_stable_family = family
     return trainer
+
+
+def _default_config(trainer: Trainer) -> RunConfig:
+    """`RunConfig()` with its attention section following the model the user built: the attention-logit monitor
+    and QK-clip need ``attn_implementation="hf_stable"``, which the recipe loads with and a user's model (``sdpa``)
+    does not run. Not asked for, they are not built (a healthy run no longer opens with an ``attn_monitor_inactive``
+    warning); a `cfg` that asks for them on such a model still says why they are off."""
+    cfg = RunConfig()
+    impl = attn_implementation(trainer.model) if trainer.model is not None else None
+    if impl is not None and impl != ATTN_IMPLEMENTATION:
+        cfg.attention.implementation = impl
+    return cfg
 
 
 def _read_signals(trainer: Trainer, family: TrainerFamily) -> None:
@@ -122,6 +141,7 @@ def _read_signals(trainer: Trainer, family: TrainerFamily) -> None:
         for cb in callbacks:
             if isinstance(cb, SkipGuard):
                 cb.no_signal_warn_steps = None
+                cb.skip_detail = monitor.skipped_rollouts  # a skipped step names its prompts and completions
 
 
 def _name_pairs(trainer: Trainer, records) -> None:

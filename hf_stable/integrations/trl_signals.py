@@ -29,6 +29,7 @@ class GenerationBatch:
         frac_zero_std: TRL's ``frac_reward_zero_std`` of this batch (None when the trainer does not log it).
         prompts, completions: the batch's prompts and completions in the rewards' order (TRL's completions table;
             empty when the trainer keeps none).
+        advantages: TRL's advantage of each completion, in the same order (empty when not kept).
     """
 
     rewards: dict[str, list[float]]
@@ -36,6 +37,7 @@ class GenerationBatch:
     frac_zero_std: float | None = None
     prompts: list = field(default_factory=list)
     completions: list = field(default_factory=list)
+    advantages: list = field(default_factory=list)
     groups: int = field(init=False)
 
     def __post_init__(self):
@@ -95,24 +97,30 @@ class SignalReader:
         the last read; a batch is new when TRL appended its ``reward`` mean."""
         if not values.get("reward"):
             return []
-        logs = getattr(trainer, "_logs", None)
-        per_func = logs.get("rewards") if isinstance(logs, dict) else None
-        if not per_func:
-            return []
-        rewards = {name: [float(r) for r in deque_] for name, deque_ in per_func.items()}
-        fracs = values.get("frac_reward_zero_std")
-        size = max((len(v) for v in rewards.values()), default=0)
-        prompts, completions = list(logs.get("prompt") or ()), list(logs.get("completion") or ())
-        aligned = len(prompts) == len(completions) == size  # the table holds exactly this batch
-        return [
-            GenerationBatch(
-                rewards=rewards,
-                num_generations=int(getattr(trainer, "num_generations", 1) or 1),
-                frac_zero_std=fracs[-1] if fracs else None,
-                prompts=prompts if aligned else [],
-                completions=completions if aligned else [],
-            )
-        ]
+        batch = current_batch(trainer, values.get("frac_reward_zero_std"))
+        return [batch] if batch is not None else []
+
+
+def current_batch(trainer, fracs: list[float] | None = None) -> GenerationBatch | None:
+    """The trainer's latest generation batch as TRL keeps it in ``_logs`` (the one the current step trains on when
+    each step generates its own), None when it keeps none."""
+    logs = getattr(trainer, "_logs", None)
+    per_func = logs.get("rewards") if isinstance(logs, dict) else None
+    if not per_func:
+        return None
+    rewards = {name: [float(r) for r in deque_] for name, deque_ in per_func.items()}
+    size = max((len(v) for v in rewards.values()), default=0)
+    prompts, completions = list(logs.get("prompt") or ()), list(logs.get("completion") or ())
+    advantages = [float(a) for a in logs.get("advantages") or ()]
+    aligned = len(prompts) == len(completions) == size  # the table holds exactly this batch
+    return GenerationBatch(
+        rewards=rewards,
+        num_generations=int(getattr(trainer, "num_generations", 1) or 1),
+        frac_zero_std=fracs[-1] if fracs else None,
+        prompts=prompts if aligned else [],
+        completions=completions if aligned else [],
+        advantages=advantages if aligned and len(advantages) == size else [],
+    )
 
 
 def nonfinite_counts(batch: GenerationBatch) -> dict[str, dict[str, int]]:
@@ -133,26 +141,33 @@ def nonfinite_counts(batch: GenerationBatch) -> dict[str, dict[str, int]]:
     return out
 
 
-def rollout_rows(batch: GenerationBatch, cap: int = 64) -> list[dict]:
-    """The groups of `batch` holding a non-finite reward, one JSON-safe row per completion (at most `cap`): its
-    index and group, the prompt, the completion and every function's reward (``"inf"`` / ``"nan"`` as strings)."""
+def _safe(v: float):
+    return v if math.isfinite(v) else str(v)
+
+
+def rollout_rows(batch: GenerationBatch, cap: int = 64, every_group: bool = False) -> list[dict]:
+    """The groups of `batch` holding a non-finite reward (`every_group`: all groups), one JSON-safe row per
+    completion (at most `cap`): its index and group, the prompt, the completion, every function's reward and TRL's
+    advantage when kept (``"inf"`` / ``"nan"`` as strings)."""
     if not batch.completions:
         return []
     k = max(1, batch.num_generations)
-    bad_groups = sorted(
-        {i // k for vals in batch.rewards.values() for i, v in enumerate(vals) if not math.isfinite(v)}
+    groups = sorted(
+        {i // k for vals in batch.rewards.values() for i, v in enumerate(vals) if every_group or not math.isfinite(v)}
     )
     rows = []
-    for g in bad_groups:
+    for g in groups:
         for i in range(g * k, min((g + 1) * k, len(batch.completions))):
-            rewards = {n: (v[i] if math.isfinite(v[i]) else str(v[i])) for n, v in batch.rewards.items()}
-            rows.append(
-                {
-                    "index": i,
-                    "group": g,
-                    "prompt": batch.prompts[i],
-                    "completion": batch.completions[i],
-                    "rewards": rewards,
-                }
-            )
-    return rows[:cap]
+            row = {
+                "index": i,
+                "group": g,
+                "prompt": batch.prompts[i],
+                "completion": batch.completions[i],
+                "rewards": {n: _safe(v[i]) for n, v in batch.rewards.items()},
+            }
+            if batch.advantages:
+                row["advantage"] = _safe(batch.advantages[i])
+            rows.append(row)
+            if len(rows) >= cap:
+                return rows
+    return rows

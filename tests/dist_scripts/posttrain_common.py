@@ -205,3 +205,40 @@ class StepFaults(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.weights[state.global_step] = trainable(self.model)
+
+
+class RolloutFaults:
+    """Faults in a GRPO / RLOO step's own inputs, on chosen 1-based optimizer steps: ``nan_old`` (the old log-probs
+    NaN, as a broken sampler would hand them over) and ``ratio`` (the old log-probs lowered by 10: every importance
+    ratio x e^10 = 22026). Wraps the instance's ``_prepare_inputs`` (TRL's per-step slice of the generation batch).
+    `weights` holds the trainable weights after every step."""
+
+    def __init__(self, trainer, nan_old=(), ratio=()):
+        self.trainer, self.nan_old, self.ratio = trainer, set(nan_old), set(ratio)
+        prepare = trainer._prepare_inputs
+
+        def _prepare_inputs(batch):
+            inputs = prepare(batch)
+            step = trainer.state.global_step + 1
+            if trainer.model.training and step in self.nan_old | self.ratio:
+                inputs = self._damage(dict(inputs), step in self.nan_old)
+            return inputs
+
+        trainer._prepare_inputs = _prepare_inputs
+
+    def _damage(self, inputs: dict, nan: bool) -> dict:
+        mask = inputs["completion_mask"]
+        if "old_logps" in inputs:  # RLOO: one log-prob per sequence
+            inputs["old_logps"] = inputs["old_logps"] * math.nan if nan else inputs["old_logps"] - 10.0
+            return inputs
+        if nan:
+            inputs["old_per_token_logps"] = torch.full(mask.shape, math.nan, device=mask.device)
+            return inputs
+        old = inputs.get("old_per_token_logps")
+        if old is None:  # on-policy step: TRL would use the current log-probs themselves
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            att = torch.cat([inputs["prompt_mask"], mask], dim=1)
+            with torch.no_grad():
+                old, _, _ = self.trainer._get_per_token_logps_and_entropies(self.trainer.model, ids, att, mask.size(1))
+        inputs["old_per_token_logps"] = old.detach() - 10.0
+        return inputs

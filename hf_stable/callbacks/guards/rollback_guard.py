@@ -220,7 +220,7 @@ class RollbackGuard(StabilityCallback):
         if verdict is None or not verdict.skip:
             return
         self._bad.append(step)
-        if set(verdict.reasons) - {"nonfinite"}:
+        if set(verdict.reasons) - {"nonfinite", "damaged"}:  # a damaged RL step is treated as a non-finite one
             self._finite_bad.add(step)
         while self._bad and self._bad[0] <= step - self.window:
             self._finite_bad.discard(self._bad.popleft())

@@ -43,7 +43,8 @@ from hf_stable.core.step_noise import explain
 from hf_stable.core.step_tap import StepTapUser
 from hf_stable.distributed import is_distributed
 
-REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch")
+REASONS = ("nonfinite", "grad_spike", "loss_spike", "loss_rise", "rank_mismatch", "damaged")
+_HARD = ("nonfinite", "rank_mismatch", "damaged")  # skipped whatever the references say; never a new normal
 _KEEP_STEPS = 10_000  # skipped step numbers kept in memory (the count is exact)
 _NO_SIGNAL_WARN = 50  # zero-gradient steps in a row that are worth a warning
 
@@ -99,6 +100,8 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         # zero-gradient steps in a row worth a warning; None: another callback says why (`PostTrainMonitor` reads
         # the reward spread of an RL trainer and names the cause and the fix; `hf_stable.stabilize` sets it)
         self.no_signal_warn_steps: int | None = _NO_SIGNAL_WARN
+        # fn(step, reasons) -> extra fields of a `step_skipped` event (the rollouts of a GRPO step: `stabilize`)
+        self.skip_detail: Callable[[int, list[str]], dict] | None = None
 
     # --- state ---------------------------------------------------------------------------------------
     def stats_state(self) -> dict:
@@ -219,12 +222,12 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         step's gradient is exactly zero (only a non-finite flag can skip it; it neither teaches the references nor
         ends a streak of spike skips)."""
         if no_signal:
-            flags = [f if r in ("nonfinite", "rank_mismatch") else 0.0 for r, f in zip(REASONS, flags, strict=False)]
+            flags = [f if r in _HARD else 0.0 for r, f in zip(REASONS, flags, strict=False)]
         reasons = [r for r, f in zip(REASONS, flags, strict=False) if f]
         if no_signal and not reasons:
             return self._no_signal(step, loss)
         self._no_signal_streak = 0
-        if reasons and not {"nonfinite", "rank_mismatch"} & set(reasons):  # spikes only: those can be a new normal
+        if reasons and not set(_HARD) & set(reasons):  # spikes only: those can be a new normal
             self._spike_streak += 1
             if self._spike_streak > self.max_consecutive_skips:
                 # A level that persists this long is the new normal (e.g. a data shift), not a spike: accept it
@@ -252,7 +255,11 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
             grad_norm=grad_norm,
             loss=math.nan if loss is None else loss,
         )
-        if loss is not None and math.isfinite(loss) and not {"nonfinite", "loss_spike", "grad_spike"} & set(reasons):
+        if (
+            loss is not None
+            and math.isfinite(loss)
+            and not {"nonfinite", "loss_spike", "grad_spike", "damaged"} & set(reasons)
+        ):
             # the trend follows every plausible loss (a rising one too), but not isolated spikes
             self._recent.append(loss)
         if not verdict.skip:
@@ -263,16 +270,19 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
             loss_txt = "n/a" if loss is None else f"{loss:.4g}"
             ref = "n/a" if self._norm_ema is None else f"{self._norm_ema:.4g}"
             evidence = {k: round(v, 4) for k, v in self.last_evidence.items() if v is not None}
+            detail = self.skip_detail(step, reasons) if self.skip_detail is not None else {}
+            where = f"; rollouts: {detail['rollouts']}" if detail.get("rollouts") else ""
             self.event(
                 step,
                 "step_skipped",
                 f"step {step} skipped on every rank ({', '.join(reasons)}): grad norm {grad_norm:.4g} "
-                f"(EMA {ref}), loss {loss_txt}{explain(reasons, evidence, self.config)}; optimizer state untouched",
+                f"(EMA {ref}), loss {loss_txt}{explain(reasons, evidence, self.config)}; optimizer state untouched{where}",
                 value=grad_norm,
                 severity="warning",
                 reasons=reasons,
                 loss=verdict.loss,
                 noise=evidence,
+                **detail,
             )
         self.record({"guard/skipped": float(verdict.skip), "guard/skipped_total": float(self._skipped_total)})
         self.last_verdict = verdict
@@ -360,6 +370,7 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         # the flags are the same on every rank without a collective of their own
         flags = self.local_flags(grad_norm, loss, nonfinite_grads=report.nonfinite_total > 0)
         flags.append(float(report.ranks_differ and not flags[0]))
+        flags.append(self.damage_flag(report.extras))  # GRPO/RLOO log-probs, in the same gathered rows
         no_signal = report.available and grad_norm == 0.0 and report.nonfinite_total == 0
         verdict = self.decide(step, flags, grad_norm if report.available else math.nan, loss, no_signal=no_signal)
         if verdict.skip:

@@ -103,6 +103,17 @@ class SkipRules:
             evidence.update({k: v for k, v in noise.items() if k != "n"}, window_steps=noise["n"])
         return [0.0, float(grad_spike), float(loss_spike), float(loss_rise)]
 
+    def damage_flag(self, extras: dict) -> float:
+        """1.0 when the step's own RL inputs are damaged (`integrations.rl_damage`: non-finite log-probs, an
+        importance-ratio tail; sums over ranks from the gathered rows, so the same on every rank); the numbers join
+        `last_evidence`."""
+        nonfinite, tail = extras.get("rl_nonfinite_logps", 0.0), extras.get("rl_ratio_tail", 0.0)
+        if not self.damage_rules or not (nonfinite > 0 or tail > 0 or math.isnan(nonfinite + tail)):
+            return 0.0
+        ratio_max = extras.get("rl_ratio_max", math.nan)
+        self.last_evidence.update(nonfinite_logps=nonfinite, ratio_tail=tail, ratio_max=ratio_max)
+        return 1.0
+
     def _level_with(self, loss: float | None = None) -> float | None:
         """The loss level now: the median of the latest plausible losses (with `loss`), robust to one hard batch;
         None before there are 3 of them."""

@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from pathlib import Path
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.monitors.preference_rules import PreferenceRules
-from hf_stable.integrations.trl_signals import GenerationBatch, nonfinite_counts, rollout_rows
+from hf_stable.callbacks.monitors.rl_rules import RLRules
+from hf_stable.integrations.trl_signals import GenerationBatch, current_batch, nonfinite_counts, rollout_rows
 
 NAMESPACE = "posttrain/"
-ROLLOUT_DIR = "posttrain_rollouts"  # one JSONL per reward_nonfinite batch
+ROLLOUT_DIR = "posttrain_rollouts"  # one JSONL per event: step-<N>-<event>.jsonl
 ROLLOUT_CAP = 64  # rows per file: the affected groups, not the whole batch
 
 
@@ -61,6 +63,8 @@ class PostTrainMonitor(StabilityCallback):
         self.zero_std_batches = zero_std_batches
         self.zero_std_groups = zero_std_groups
         self._reader = None
+        self._trainer_ref = None  # a generating trainer (GRPO, RLOO): its latest batch goes with a skipped step
+        self.rl_rules: RLRules | None = None  # entropy, KL, length, truncation, ratio tail (GRPO, RLOO: `bind`)
         self._trainer_name = "the trainer"
         self._hints: dict[str, object] = {}
         self._zero = {"batches": 0, "groups": 0, "said": False, "fracs": []}
@@ -73,6 +77,8 @@ class PostTrainMonitor(StabilityCallback):
         from hf_stable.integrations.trainer_families import trainer_name
 
         self._reader = family.signal_reader(trainer)
+        self._trainer_ref = weakref.ref(trainer) if family.signals == "generation" else None
+        self.rl_rules = RLRules() if family.signals == "generation" and self.rl_rules is None else self.rl_rules
         self._trainer_name = trainer_name(trainer)
         self._hints = {
             "num_generations": getattr(trainer, "num_generations", None),
@@ -88,12 +94,15 @@ class PostTrainMonitor(StabilityCallback):
         return {
             "zero": dict(self._zero),
             "nonfinite_seen": dict(self._nonfinite_seen),
+            "rl_rules": self.rl_rules.state_dict() if self.rl_rules is not None else None,
             "preference": self.preference.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self._zero.update(state.get("zero", {}))
         self._nonfinite_seen = dict(state.get("nonfinite_seen", {}))
+        if self.rl_rules is not None and state.get("rl_rules"):
+            self.rl_rules.load_state_dict(state["rl_rules"])
         self.preference.load_state_dict(state.get("preference", {}))
 
     # --- decisions (pure: testable on constructed batches) -------------------------------------
@@ -109,21 +118,22 @@ class PostTrainMonitor(StabilityCallback):
                     seen = self._nonfinite_seen[key] = self._nonfinite_seen.get(key, 0) + 1
                     if not seen & (seen - 1):  # said at the 1st, 2nd, 4th, 8th ... batch with it: never silent,
                         to_say.append((name, kind, n, seen))  # never a flood (nor a flood of rollout files)
-        rollouts = self._write_rollouts(step, batch) if to_say else None
+        rollouts = self._write_rollouts(step, batch, "reward_nonfinite") if to_say else None
         for name, kind, n, seen in to_say:
             events += self._nonfinite(step, name, kind, n, seen, size, batch.num_generations, rollouts)
         if batch.frac_zero_std is not None:
             events += self._zero_std(step, batch)
         return events
 
-    def _write_rollouts(self, step: int, batch: GenerationBatch) -> str | None:
-        """``<output_dir>/posttrain_rollouts/step-<step>.jsonl``: the prompts, completions and rewards of the groups
-        with a non-finite reward (main process; at most `ROLLOUT_CAP` rows), so the user sees what was scored.
-        Returns the path relative to the output dir (None when nothing was written)."""
-        rows = rollout_rows(batch, cap=ROLLOUT_CAP)
+    def _write_rollouts(self, step: int, batch: GenerationBatch | None, event: str, every_group=False) -> str | None:
+        """``<output_dir>/posttrain_rollouts/step-<step>-<event>.jsonl``: the prompts, completions, rewards and
+        advantages of the groups with a non-finite reward (`every_group`: of the whole batch; main process; at most
+        `ROLLOUT_CAP` rows), so the user sees what was scored. Returns the path relative to the output dir (None
+        when nothing was written)."""
+        rows = rollout_rows(batch, cap=ROLLOUT_CAP, every_group=every_group) if batch is not None else []
         if not rows or self._output_dir is None:
             return None
-        rel = f"{ROLLOUT_DIR}/step-{step}.jsonl"
+        rel = f"{ROLLOUT_DIR}/step-{step}-{event}.jsonl"
         if self._is_main:
             path = Path(self._output_dir) / rel
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +205,32 @@ class PostTrainMonitor(StabilityCallback):
             )
         ]
 
+    def _judge_rl(self, step: int, values: dict[str, list[float]]) -> list[dict]:
+        """`RLRules` over this step's means; each event carries the numbers compared and the current generation
+        batch's rollouts (``posttrain_rollouts/step-<N>-<event>.jsonl``)."""
+        means = {k: sum(v) / len(v) for k, v in values.items() if v}
+        events = []
+        for hit in self.rl_rules.observe(means):
+            trainer = self._trainer_ref() if self._trainer_ref is not None else None
+            batch = current_batch(trainer) if trainer is not None else None
+            rel = self._write_rollouts(step, batch, hit["kind"], every_group=True)
+            message = f"step {step}: {hit['message']}" + (f"; rollouts: {rel}" if rel else "")
+            fields = {"key": hit["key"], "early": hit["early"], "threshold": hit["bar"]}
+            events.append(
+                self.event(step, hit["kind"], message, value=hit["now"], rollouts=rel, severity="warning", **fields)
+            )
+        return events
+
+    def skipped_rollouts(self, step: int, reasons: list[str]) -> dict:
+        """`SkipGuard.skip_detail`: the prompts, completions, rewards and advantages of the generation batch a
+        skipped GRPO / RLOO step trained on, to ``posttrain_rollouts/step-<N>-step_skipped.jsonl``; the skip event's
+        field ``rollouts`` (empty for a trainer that does not generate)."""
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        if not self.enabled or trainer is None:
+            return {}
+        rel = self._write_rollouts(step, current_batch(trainer), "step_skipped", every_group=True)
+        return {"rollouts": rel} if rel else {}
+
     # --- Trainer hooks ---------------------------------------------------------------------------
     def on_log(self, args, state, control, logs=None, **kwargs):
         super().on_log(args, state, control, logs=logs, **kwargs)
@@ -215,5 +251,7 @@ class PostTrainMonitor(StabilityCallback):
         self.record({NAMESPACE + key: s / n for key, (s, n) in self._since_log.items() if n})
         for batch in signals.batches:
             self.observe_batch(step, batch)
+        if self.rl_rules is not None:
+            self._judge_rl(step, signals.values)
         for kind, message, fields in self.preference.observe(step, signals.values):
             self.event(step, kind, message, severity="warning", **fields)
