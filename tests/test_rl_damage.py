@@ -76,3 +76,14 @@ def test_stock_grpo_takes_the_nan_old_logprobs_into_its_weights(tmp_path):
     RolloutFaults(trainer, nan_old=[FAULT_STEP])
     trainer.train()
     assert not all_finite(recorder.weights[FAULT_STEP])
+
+
+def test_rloo_sequence_ratio_exploding_is_skipped(tmp_path):
+    """RLOO's importance ratio is per sequence (``old_logps``): x22026 at one step -> that step skipped, `damaged`."""
+    trainer = build_trainer("rloo", tmp_path, max_steps=FAULT_STEP + 1, per_device_train_batch_size=8)
+    RolloutFaults(trainer, ratio=[FAULT_STEP])
+    hf_stable.stabilize(trainer).train()
+    skipped = [e for e in read_events(tmp_path) if e["kind"] == "step_skipped"]
+    assert [e["step"] for e in skipped] == [FAULT_STEP] and "damaged" in skipped[0]["reasons"]
+    assert skipped[0]["noise"]["ratio_tail"] == 8  # one per sequence
+    assert skipped[0]["noise"]["ratio_max"] == pytest.approx(math.exp(10), rel=1e-3)
