@@ -55,6 +55,7 @@ def test_a_damaged_step_is_skipped_and_the_weights_stay_finite(grpo_run):
     noise = skipped[0]["noise"]
     if kind == "nan_old":
         assert noise["nonfinite_logps"] > 0 and "non-finite old/sampling log-probs" in skipped[0]["message"]
+        assert skipped[0]["reasons"] == ["nonfinite", "damaged"]  # the NaN reaches the loss too
     else:
         assert noise["ratio_tail"] > 0 and noise["nonfinite_logps"] == 0
         assert noise["ratio_max"] == pytest.approx(math.exp(10), rel=1e-3)
