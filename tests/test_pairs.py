@@ -148,3 +148,15 @@ def test_sft_reader_still_reads_sft_files_only(tmp_path):
     path = write_lines(tmp_path / "p.jsonl", [GOOD])
     with pytest.raises(DataError, match="neither 'messages'"):
         read_records(path)
+
+
+def test_build_pairs_keeps_each_train_rows_file_and_line(tmp_path, tokenizer):
+    """`PairsBundle.train_where` is aligned with the train dataset (a skipped or dropped line leaves no gap): the DPO
+    stage hands it to `stabilize(records=...)`, so a skipped step names its pairs by file:line."""
+    from hf_stable.data.pairs_bundle import build_pairs
+
+    other = {**GOOD, "prompt": "What is 4 + 4?", "chosen": "8", "rejected": "9"}
+    path = write_lines(tmp_path / "p.jsonl", [GOOD, {"prompt": "x", "chosen": "y"}, other])
+    cfg = DataConfig(train_file=path, eval_file=None, max_length=64, on_bad_record="skip", packing=False)
+    pairs = build_pairs(cfg, tokenizer)
+    assert pairs.train_where == [f"{path}:1", f"{path}:3"] and len(pairs.train_dataset) == 2

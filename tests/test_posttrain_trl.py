@@ -75,6 +75,12 @@ def test_faults_are_skipped_and_the_weights_stay_finite(faulted):
     # 3 bad steps: the rollback's check re-ran the batches through compute_loss and found the data, not the weights
     kinds = [e["kind"] for e in read_events(trainer.args.output_dir)]
     assert "rollback_declined" in kinds and "rollback" not in kinds
+    pairs = {e["step"]: e["records"] for e in read_events(trainer.args.output_dir) if e["kind"] == "step_pairs"}
+    if kind == "grpo":  # prompts, not records of a dataset of pairs
+        assert not pairs
+    else:  # each skipped DPO / KTO step names the 4 records of its batch (indices of the 32-row dataset)
+        assert sorted(pairs) == expected
+        assert all(len(set(ids)) == 4 and set(ids) <= set(range(32)) for ids in pairs.values()), pairs
 
 
 def test_the_judged_loss_is_the_loss_trl_logs(faulted):

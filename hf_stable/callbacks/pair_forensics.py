@@ -5,8 +5,8 @@ rows' indices in the dataset the user passed, and the step's `StepTap` keeps the
 guard skips a step (its verdict is the same on every rank), every rank's indices are gathered
 (`distributed.all_gather_rows`, entered by every rank on that agreed verdict) and the main process writes
 
-* a ``step_pairs`` event: the step, the skip's reasons, the records' indices (and ``file:line`` when the user said
-  where they came from: ``stabilize(trainer, records=...)``);
+* a ``step_pairs`` event (info: the detail of the ``step_skipped`` warning): the step, the skip's reasons, the
+  records' indices (and ``file:line`` when the user said where they came from: ``stabilize(trainer, records=...)``);
 * one line per record in ``skipped_pairs.jsonl``: step, index, where, the skip's reasons and the record's text
   (prompt / chosen / rejected, cut), so the user can open the pairs behind the step.
 
@@ -82,8 +82,9 @@ class PairForensics(StabilityCallback):
         more = f" and {len(ids) - MAX_LISTED} more" if len(ids) > MAX_LISTED else ""
         message = (
             f"step {verdict.step} skipped ({', '.join(verdict.reasons)}): it trained on {len(ids)} records: "
-            f"{', '.join(named[:MAX_LISTED])}{more} (index in the train dataset; text in {PAIRS_FILE}). Look for a "
-            "pair with chosen and rejected swapped, a broken or duplicated completion, or a prompt that does not fit"
+            f"{', '.join(named[:MAX_LISTED])}{more} (index in the train dataset; text in {PAIRS_FILE}). When the data "
+            "caused it (a loss spike on one batch usually is), look there for a pair with chosen and rejected swapped, "
+            "a broken or duplicated completion, or a prompt that does not fit"
         )
         self.event(
             verdict.step,
@@ -93,7 +94,7 @@ class PairForensics(StabilityCallback):
             where=places if self._places is not None else None,
             reasons=list(verdict.reasons),
             file=PAIRS_FILE,
-            severity="warning",
+            severity="info",  # the detail of the step_skipped warning, not a second alert
         )
         if self._is_main and self._output_dir is not None:
             path = Path(self._output_dir) / PAIRS_FILE

@@ -38,6 +38,8 @@ class PairsBundle:
         eval_source: what the eval pairs are (a file, or ``"N pairs held out of FILE (seed S)"``).
         stats: per split: pairs read / kept / dropped by reason.
         template: the prompt template in use.
+        train_where: ``file:line`` of each `train_dataset` row (`hf_stable.stabilize(trainer, records=...)` names a
+            skipped DPO step's pairs by them).
     """
 
     train_dataset: Any
@@ -45,6 +47,7 @@ class PairsBundle:
     eval_source: str | None = None
     stats: dict = field(default_factory=dict)
     template: str = "alpaca"
+    train_where: list = field(default_factory=list)
 
 
 def resolve_pairs_eval(train_file: str, eval_file: str | None) -> str | None:
@@ -54,7 +57,7 @@ def resolve_pairs_eval(train_file: str, eval_file: str | None) -> str | None:
     return EMBEDDED_PAIRS_EVAL if embedded_dataset_name(train_file) is not None else AUTO
 
 
-def _rows(read, tokenizer, cfg, template: str, vocab_size, config_field: str) -> tuple[dict, dict]:
+def _rows(read, tokenizer, cfg, template: str, vocab_size, config_field: str) -> tuple[dict, dict, list]:
     kept, encoded, dropped = encode_pairs(
         tokenizer, read.records, max_length=cfg.max_length, template=template, vocab_size=vocab_size
     )
@@ -83,7 +86,7 @@ def _rows(read, tokenizer, cfg, template: str, vocab_size, config_field: str) ->
     for reason, wheres in dropped.items():
         skipped[reason] = skipped.get(reason, 0) + len(wheres)
     stats = {"read": read.n_lines, "kept": len(kept), "dropped": sum(skipped.values()), "dropped_reasons": skipped}
-    return columns, stats
+    return columns, stats, [read.records[i].where for i in kept]
 
 
 def build_pairs(cfg, tokenizer, *, seed: int = 42, vocab_size: int | None = None) -> PairsBundle:
@@ -116,15 +119,15 @@ def build_pairs(cfg, tokenizer, *, seed: int = 42, vocab_size: int | None = None
             eval_source = None
     elif eval_file:
         eval_read = read(eval_file, "data.eval_file")
-    train_cols, train_stats = _rows(train_read, tokenizer, cfg, template, vocab_size, "data.train_file")
+    train_cols, train_stats, train_where = _rows(train_read, tokenizer, cfg, template, vocab_size, "data.train_file")
     stats = {"train": train_stats, "eval": None}
     eval_ds = None
     if eval_read is not None:
-        eval_cols, stats["eval"] = _rows(eval_read, tokenizer, cfg, template, vocab_size, "data.eval_file")
+        eval_cols, stats["eval"], _ = _rows(eval_read, tokenizer, cfg, template, vocab_size, "data.eval_file")
         eval_ds = Dataset.from_dict(eval_cols)
     for split, s in stats.items():
         if s and s["dropped"]:
             logger.warning(
                 "data (%s pairs): %d of %d dropped: %s", split, s["dropped"], s["read"], s["dropped_reasons"]
             )
-    return PairsBundle(Dataset.from_dict(train_cols), eval_ds, eval_source, stats, template)
+    return PairsBundle(Dataset.from_dict(train_cols), eval_ds, eval_source, stats, template, train_where)

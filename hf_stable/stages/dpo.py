@@ -169,7 +169,7 @@ def run(cfg, started: float) -> dict:
             "tensors": n,
             "max_abs_diff": 0.0,
         }
-    trainer = stabilize(trainer, cfg)
+    trainer = stabilize(trainer, cfg, records=pairs.train_where or None)  # a skipped step names its pairs' lines
     pad_id = tokenizer.pad_token_id
     batch = setup.args.per_device_eval_batch_size
     before = _eval_metrics(trainer, pairs.eval_dataset, pad_id, batch) if pairs.eval_dataset is not None else {}
