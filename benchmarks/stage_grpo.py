@@ -1,6 +1,7 @@
 """GRPO stage from the default SFT adapter: exact match per family before/after, reward over steps, KL, time.
 
     OMP_NUM_THREADS=1 python benchmarks/stage_grpo.py [--sft outputs/default] [--seeds 0,1,2] [--set KEY=VALUE ...]
+    OMP_NUM_THREADS=1 python benchmarks/stage_grpo.py --headroom 16 [--temperature 1.0]   # what GRPO can reinforce
 
 Each seed is one recipe run (`scripts/finetune.py --config configs/grpo.yaml --training.seed S`) started from the
 same SFT output dir (made first with the default recipe when it is missing); `--set grpo.beta=0` and the like are
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("arithmetic", "reversal", "unit_conversion")
@@ -39,6 +41,56 @@ def run(args: list[str], log: Path) -> None:
         sys.exit(f"run failed (exit {proc.returncode}): see {log}")
 
 
+def headroom(sft: Path, k: int, temperature: float, n: int) -> None:
+    """What GRPO can reinforce from the SFT adapter: per family, greedy exact match, sampled exact match (k samples
+    at `temperature`) and, among the prompts greedy gets wrong, the share with at least one right sample (pass@k)."""
+    import torch
+
+    from hf_stable.config import load_config
+    from hf_stable.data.prompts import resolve_template, stop_token_ids
+    from hf_stable.stages.grpo import _data, _encoder
+    from hf_stable.stages.prompts import reference
+    from hf_stable.stages.start import load_stage_model, resolve_start_from
+
+    cfg = load_config(ROOT / "configs/grpo.yaml", ["--model.start_from", str(sft)])
+    args = SimpleNamespace(gradient_checkpointing=False, seed=0)
+    model, tok, _ = load_stage_model(cfg, args, resolve_start_from(str(sft)))
+    model.eval()
+    template = resolve_template(tok, cfg.data.template)
+    stops = stop_token_ids(tok, template)
+    encode = _encoder(tok, template)
+    _, rows = _data(cfg, 0)
+    torch.manual_seed(0)
+    stats: dict[str, list] = {}
+    for r in rows[:n]:
+        if r["family"] not in FAMILIES:
+            continue
+        ids = torch.tensor([encode(r)])
+        gen = {"max_new_tokens": 16, "eos_token_id": stops, "pad_token_id": tok.pad_token_id}
+        with torch.no_grad():
+            greedy = model.generate(ids, do_sample=False, **gen)
+            samples = model.generate(
+                ids.repeat(k, 1), do_sample=True, temperature=temperature, top_k=0, top_p=1.0, **gen
+            )
+
+        def text(row, start=ids.shape[1]):
+            row = row[start:].tolist()
+            row = row[: next((i for i, t in enumerate(row) if t in stops), len(row))]
+            return " ".join(tok.decode(row, skip_special_tokens=True).split())
+
+        want = reference(r)
+        g = text(greedy[0]) == want
+        hits = sum(text(s_) == want for s_ in samples)
+        stats.setdefault(r["family"], []).append((g, hits))
+    for family, rs in sorted(stats.items()):
+        wrong = [h for g, h in rs if not g]
+        print(
+            f"headroom family={family} n={len(rs)} greedy={sum(g for g, _ in rs) / len(rs):.3f} "
+            f"sampled={sum(h for _, h in rs) / (k * len(rs)):.3f} "
+            f"greedy_wrong_with_a_right_sample={sum(h > 0 for h in wrong)}/{len(wrong)} (k={k}, T={temperature})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft", default="outputs/default", help="the SFT run's output dir (made when missing)")
@@ -46,7 +98,12 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     parser.add_argument("--out", default="outputs/bench_stage_grpo")
     parser.add_argument("--label", default="grpo")
+    parser.add_argument("--headroom", type=int, default=0, metavar="K", help="only measure pass@K of the SFT adapter")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of --headroom")
     opts = parser.parse_args()
+    if opts.headroom:
+        headroom(ROOT / opts.sft, opts.headroom, opts.temperature, 200)
+        return
     out = ROOT / opts.out
     out.mkdir(parents=True, exist_ok=True)
     sft = ROOT / opts.sft
