@@ -17,7 +17,7 @@
   (`RolloutFaults`), and a KL push (beta 0.04, the policy's head x30 so the tiny policy can move away from its
   reference; every LoRA B + N(0, 1) before step 9, against a clean run with the same head): completes, weights
   finite, the warning-level events raised (kind@step), skipped steps, and the final reward (mean of the last 5
-  steps) against the clean run's (%).
+  steps) against the clean run's (%). The seed draws the prompts and the sampling RNG.
 * ``clip``: healthy DPO at LR 2e-3 with the adaptive ClipGuard forced on (the objective's default is off): the steps
   it scaled, and the smallest coefficient.
 
@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "dist_scripts"))
 
-from posttrain_common import RolloutFaults, StepFaults, all_finite, build_trainer, trainable
+from posttrain_common import RolloutFaults, StepFaults, all_finite, build_trainer, prompt_rows, trainable
 
 import hf_stable
 from hf_stable.config import RunConfig
@@ -181,7 +181,13 @@ def rl_run(case: str, stabilized: bool, seed: int, steps: int, tmp: Path) -> dic
     out = tmp / f"rl-{case}-{int(stabilized)}-{seed}"
     sharp = case in ("clean_sharp", "kl_push")
     trainer = build_trainer(
-        "grpo", out, seed=seed, max_steps=steps, per_device_train_batch_size=8, **({"beta": 0.04} if sharp else {})
+        "grpo",
+        out,
+        seed=seed,
+        data=prompt_rows(seed=seed),
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        **({"beta": 0.04} if sharp else {}),
     )
     if sharp:
         with torch.no_grad():
@@ -191,6 +197,7 @@ def rl_run(case: str, stabilized: bool, seed: int, steps: int, tmp: Path) -> dic
     RolloutFaults(trainer, **RL_CASES[case])
     if stabilized:
         hf_stable.stabilize(trainer)
+    torch.manual_seed(seed)  # the sampling RNG (the LoRA B starts at 0: the seed alone leaves the policy as it is)
     completed, error = True, ""
     try:
         _quiet(trainer.train)

@@ -11,6 +11,7 @@ The `Trainer` methods `StableTrainer` overrides (`_clip_grad_norm`, `_get_grad_n
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 
 import torch
@@ -42,6 +43,17 @@ def foreach_sub(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tens
 def tensor_version(tensor: torch.Tensor) -> int:
     """The tensor's version counter (`Tensor._version`), bumped by every in-place operation on it."""
     return tensor._version
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def tensor_versions(tensors: list) -> list[int]:
+    """`tensor_version` of each tensor, -1 for None (read every step for every gradient: one `map`, not a call each)."""
+    try:
+        return list(map(_VERSION, tensors))
+    except AttributeError:  # a None among them
+        return [-1 if t is None else t._version for t in tensors]
 
 
 # --- torch: the optimizer and loss-scaler internals -----------------------------------------------------------------

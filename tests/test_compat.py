@@ -54,6 +54,9 @@ def test_tensor_version_counts_in_place_changes():
     assert compat.tensor_version(x) == v + 1
     x.mul_(2)
     assert compat.tensor_version(x) == v + 2
+    y = torch.ones(2)
+    assert compat.tensor_versions([x, y]) == [v + 2, compat.tensor_version(y)]
+    assert compat.tensor_versions([x, None, y]) == [v + 2, -1, compat.tensor_version(y)]
 
 
 def test_optimizer_hook_dicts_are_the_ones_optimizer_init_makes():

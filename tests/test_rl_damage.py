@@ -55,6 +55,7 @@ def test_a_damaged_step_is_skipped_and_the_weights_stay_finite(grpo_run):
     noise = skipped[0]["noise"]
     if kind == "nan_old":
         assert noise["nonfinite_logps"] > 0 and "non-finite old/sampling log-probs" in skipped[0]["message"]
+        assert skipped[0]["reasons"] == ["nonfinite", "damaged"]  # the NaN reaches the loss too
     else:
         assert noise["ratio_tail"] > 0 and noise["nonfinite_logps"] == 0
         assert noise["ratio_max"] == pytest.approx(math.exp(10), rel=1e-3)
@@ -76,3 +77,44 @@ def test_stock_grpo_takes_the_nan_old_logprobs_into_its_weights(tmp_path):
     RolloutFaults(trainer, nan_old=[FAULT_STEP])
     trainer.train()
     assert not all_finite(recorder.weights[FAULT_STEP])
+
+
+def test_rloo_sequence_ratio_exploding_is_skipped(tmp_path):
+    """RLOO's importance ratio is per sequence (``old_logps``): x22026 at one step -> that step skipped, `damaged`."""
+    trainer = build_trainer("rloo", tmp_path, max_steps=FAULT_STEP + 1, per_device_train_batch_size=8)
+    RolloutFaults(trainer, ratio=[FAULT_STEP])
+    hf_stable.stabilize(trainer).train()
+    skipped = [e for e in read_events(tmp_path) if e["kind"] == "step_skipped"]
+    assert [e["step"] for e in skipped] == [FAULT_STEP] and "damaged" in skipped[0]["reasons"]
+    assert skipped[0]["noise"]["ratio_tail"] == 8  # one per sequence
+    assert skipped[0]["noise"]["ratio_max"] == pytest.approx(math.exp(10), rel=1e-3)
+
+
+def test_a_kl_push_on_a_real_grpo_run_is_named_with_its_rollouts(tmp_path):
+    """beta 0.04, the head x30 (the stock tiny head keeps any KL under 0.03), every LoRA B + N(0, 1) before step 6:
+    `kl_blowup` once the median of the last 5 KLs passes 1.0, with the numbers and the batch's rollouts."""
+    import torch
+    from transformers import TrainerCallback
+
+    trainer = build_trainer("grpo", tmp_path, max_steps=9, per_device_train_batch_size=8, beta=0.04)
+    with torch.no_grad():
+        trainer.model.get_output_embeddings().weight.mul_(30.0)
+
+    class Push(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == 6:
+                g = torch.Generator().manual_seed(0)  # one stream over the tensors (KL 12-16 after the push)
+                with torch.no_grad():
+                    for n, p in trainer.model.named_parameters():
+                        if "lora_B" in n:
+                            p.add_(torch.randn(p.shape, generator=g))
+
+    trainer.add_callback(Push())
+    hf_stable.stabilize(trainer).train()
+    events = read_events(tmp_path)
+    kl = [e for e in events if e["kind"] == "kl_blowup"]
+    assert [e["step"] for e in kl] == [8] and kl[0]["value"] > 1.0 and kl[0]["early"] < 0.1
+    assert kl[0]["threshold"] == 1.0 and "What to do" in kl[0]["message"]
+    rows = (tmp_path / kl[0]["rollouts"]).read_text().splitlines()
+    assert kl[0]["rollouts"] == "posttrain_rollouts/step-8-kl_blowup.jsonl" and len(rows) == 8
+    assert not [e for e in events if e["kind"] == "step_skipped"]  # named, not acted on: the step is not damaged

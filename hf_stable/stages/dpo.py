@@ -137,8 +137,7 @@ def run(cfg, started: float) -> dict:
     from hf_stable.stages.common import begin_stage, chain_text, save_stage_outputs
     from hf_stable.stages.start import load_stage_model
 
-    # TRL's configs turn bf16 on when it is not set; `training:` means TrainingArguments, whose default is off
-    setup = begin_stage(cfg, **({} if "bf16" in cfg.training else {"bf16": False}))
+    setup = begin_stage(cfg)
     model, tokenizer, base = load_stage_model(cfg, setup.args, setup.start)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
