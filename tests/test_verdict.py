@@ -34,6 +34,14 @@ def test_skips_are_rescued_and_stacked_rollbacks_are_diverged_naming_the_lr():
     assert "Stability verdict: diverged" in verdict_markdown(v)
 
 
+def test_a_skipped_dpo_step_points_at_its_pairs_and_they_are_no_second_warning():
+    events = [_ev("step_skipped"), _ev("step_pairs", "info", records=[4, 5, 6, 7])]
+    v = stability_verdict(events, 0, [{"step": 30, "loss": 0.4}])
+    assert v["verdict"] == "rescued" and v["counts"]["warnings"] == 1
+    assert v["advice"].endswith("the skipped steps' pairs are in skipped_pairs.jsonl")
+    assert "skipped_pairs" not in stability_verdict(events[:1], 0, [{"step": 30, "loss": 0.4}])["advice"]
+
+
 def test_most_steps_skipped_is_diverged_naming_the_lr():
     """LR 1.0 on the default recipe (measured): 33 of 40 steps skipped, rollbacks declined, nothing else."""
     events = [_ev("step_skipped") for _ in range(33)] + [_ev("rollback_declined")]

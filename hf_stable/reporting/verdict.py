@@ -120,7 +120,8 @@ def _advice(verdict, kinds, factor, quarantined, skips, nonfinite, ended_nonfini
             "repeats, check precision (fp16 overflow) and the batches at those steps"
         )
     if skips:
-        return f"{skips} spike step(s) skipped, nothing quarantined: if spikes recur, lower the learning rate"
+        pairs = "; the skipped steps' pairs are in skipped_pairs.jsonl" if kinds["step_pairs"] else ""
+        return f"{skips} spike step(s) skipped, nothing quarantined: if spikes recur, lower the learning rate{pairs}"
     alerts = sorted({e for e, n in kinds.items() if e not in SETUP_KINDS and n})
     lr_signs = [k for k in LR_SIGNS if kinds[k]]
     if lr_signs:
