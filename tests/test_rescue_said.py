@@ -69,7 +69,7 @@ def test_compare_flags_a_fault_case_that_lost_an_event_kind(said, tmp_path):
     rows = [line for line in lines if line.startswith("| ") and "hf_stable" in line]
     assert len(rows) == 2 and "(lost: rollback)" in rows[0] and "lost" not in rows[1]  # lr_10x sorts first (CASES)
     assert "1.016 | 1.020 | rescued -> diverged" in rows[0]
-    assert lines[-1] == "rows=2 kept_every_event_kind=1/2 rows_with_changed_kinds=1"
+    assert lines[-1] == "rows=2 kept_every_event_kind=1/2 rows_with_changed_kinds=1 lost_kinds_in_rows=rollback:1"
     table = said.events_table(after)
     assert "lr_x" in table[0] and table[2].endswith(
         "rescued       0     0       1  nonfinite_grad x3!, step_skipped x3"
