@@ -5,7 +5,7 @@
   the LR factor the run ended with and the stability verdict (`hf_stable.reporting.verdict` of this checkout, applied to the run's events).
 * `write_json(path, results, meta)` / `read_json(path)`: every result of a run (after `judge`) and how it was made.
 * `compare(before, after)`: a markdown table, per case x arm present in both, of the events (union over seeds) and
-  eval/clean ratios before and after, with the rows whose event kinds changed marked.
+  eval/clean ratios before and after, with the kinds a row no longer raises marked (and counted in the last line).
 
     python benchmarks/rescue.py --compare BEFORE.json AFTER.json
 """
@@ -94,6 +94,7 @@ def compare(before: dict, after: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     changed = kept = 0
+    lost_kinds: dict[str, int] = defaultdict(int)
     for key, runs_a in a.items():
         runs_b = b.get(key)
         if not runs_b:
@@ -103,6 +104,8 @@ def compare(before: dict, after: dict) -> list[str]:
         runs_b = [r for r in runs_b if r["seed"] in seeds]
         kb, ka = _union(runs_b), _union(runs_a)
         lost = sorted(set(kb) - set(ka))
+        for kind in lost:
+            lost_kinds[kind] += 1
         changed += bool(lost or set(ka) - set(kb))
         kept += not lost
         verdicts = f"{'/'.join(r.get('stability') or '-' for r in runs_b)} -> {'/'.join(r.get('stability') or '-' for r in runs_a)}"
@@ -113,5 +116,8 @@ def compare(before: dict, after: dict) -> list[str]:
         )
     n = len(lines) - 4
     lines.append("")
-    lines.append(f"rows={n} kept_every_event_kind={kept}/{n} rows_with_changed_kinds={changed}")
+    lost = " ".join(f"{k}:{v}" for k, v in sorted(lost_kinds.items())) or "none"
+    lines.append(
+        f"rows={n} kept_every_event_kind={kept}/{n} rows_with_changed_kinds={changed} lost_kinds_in_rows={lost}"
+    )
     return lines

@@ -69,8 +69,31 @@ def test_compare_flags_a_fault_case_that_lost_an_event_kind(said, tmp_path):
     rows = [line for line in lines if line.startswith("| ") and "hf_stable" in line]
     assert len(rows) == 2 and "(lost: rollback)" in rows[0] and "lost" not in rows[1]  # lr_10x sorts first (CASES)
     assert "1.016 | 1.020 | rescued -> diverged" in rows[0]
-    assert lines[-1] == "rows=2 kept_every_event_kind=1/2 rows_with_changed_kinds=1"
+    assert lines[-1] == "rows=2 kept_every_event_kind=1/2 rows_with_changed_kinds=1 lost_kinds_in_rows=rollback:1"
     table = said.events_table(after)
     assert "lr_x" in table[0] and table[2].endswith(
         "rescued       0     0       1  nonfinite_grad x3!, step_skipped x3"
     )
+
+
+def test_hf_logit_lr_backs_the_lr_off_once_per_step_with_a_new_attn_logit_high(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    harness = pytest.importorskip("rescue_harness")
+    from hf_stable.callbacks.guards.lr_control import LRControl
+    from hf_stable.callbacks.monitors.attention_monitor_callback import AttentionMonitorCallback
+
+    monitor, lr = AttentionMonitorCallback(monitor_interval=1), LRControl()
+    backoff = harness.LogitBackoff(monitor, lr)
+    series = [  # step: per-layer max logits (the level is 100)
+        (10, {0: 30.0, 1: 20.0}),  # healthy: nothing said, nothing done
+        (20, {0: 150.0, 1: 120.0}),  # two layers cross at one step: one back-off
+        (30, {0: 160.0, 1: 130.0}),  # still above: no new crossing, no new back-off
+        (40, {0: 90.0, 1: 130.0}),
+        (50, {0: 140.0, 1: 130.0}),  # layer 0 crosses again
+    ]
+    factors = []
+    for step, maxima in series:
+        monitor._observe(step, maxima)
+        backoff.on_step_end(None, None, None)
+        factors.append(lr.factor("attn_logit"))
+    assert factors == [1.0, 0.5, 0.5, 0.5, 0.25] and backoff.backoffs == 2
