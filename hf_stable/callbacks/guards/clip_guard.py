@@ -4,8 +4,8 @@ It replaces the Trainer's single global clip (the recipe sets `TrainingArguments
 the gradients are clipped twice, so the guard warns - and says whether the monitors' statistics are pre-clip, as
 under `StableTrainer`, or post-clip, as under the stock Trainer). It reuses the
 norms `GradStats` already computed for the monitors — one gradient computation per step — and decides the
-per-group coefficients on the host from that single transfer; applying them is one `_foreach_mul_` per clipped
-group on device, so clipping adds no host sync.
+per-group coefficients on the host from that single transfer; applying them is one `_foreach_mul_` per distinct
+factor on device, so clipping adds no host sync.
 
 Modes:
 
@@ -143,17 +143,20 @@ class ClipGuard(StabilityCallback):
         return out
 
     def _apply(self, dev, coefs: dict[str, float], engine: StepEngine) -> None:
-        """Scale each clipped group's gradients by its factor: one foreach call per group and device, the factor a
-        0-d tensor (on CPU torch's foreach multiply by a Python number is ~4x slower than by a tensor; same bits)."""
+        """Scale each clipped group's gradients by its factor: one foreach call per distinct factor and device (one in
+        all when the global cap sets every factor), the factor a 0-d tensor (on CPU torch's foreach multiply by a
+        Python number is ~4x slower than by a tensor; same bits)."""
         grads = engine.local_grads(dev.params)
+        by_factor: dict[tuple, list[int]] = {}
         for gi, runs in self._members(dev).items():
             c = coefs.get(dev.groups[gi], 1.0)
-            if c >= 1.0:
-                continue
-            for device, idx in runs:
-                clipped = [g for g in map(grads.__getitem__, idx) if g is not None and g.numel()]
-                if clipped:
-                    foreach_mul_(clipped, torch.tensor(c, dtype=torch.float32, device=device))
+            if c < 1.0:
+                for device, idx in runs:
+                    by_factor.setdefault((c, device), []).extend(idx)
+        for (c, device), idx in by_factor.items():
+            clipped = [g for g in map(grads.__getitem__, idx) if g is not None and g.numel()]
+            if clipped:
+                foreach_mul_(clipped, torch.tensor(c, dtype=torch.float32, device=device))
 
     def _agc(self, dev, engine: StepEngine) -> None:
         with torch.no_grad():
