@@ -23,8 +23,11 @@ on it, so the numbers hold on a machine other jobs share; `wall` for an idle mac
 synchronize). Steps 1-2 of each run are warm-up and left out; a part's value is its mean over the remaining steps,
 the table shows the median over rounds; the paired ratio is `default / bare` total of the same round.
 
-Last line: `layer_ratio=<median> layer_ratio_min=<> layer_ratio_max=<> optimizer_ms=<factory, bare arm>
-trainer_optimizer_ms=<trainer_adamw> clock=<clock>`.
+Last line: `layer_ms=<median of default - bare over grad norm + optimizer + callbacks> layer_ratio=<median>
+layer_ratio_min=<> layer_ratio_max=<> optimizer_ms=<factory, bare arm> trainer_optimizer_ms=<trainer_adamw>
+clock=<clock>`. `layer_ms` is the layer's own time, steadier than the total ratio on a shared machine (forward and
+backward scatter by ~1 ms between runs there); the forward hooks it adds (the loss tap, sampled attention probe, the
+forensics' per-row statistics) are in the forward column only.
 """
 
 from __future__ import annotations
@@ -246,7 +249,11 @@ def main(argv: list[str]) -> None:
     trainer_opt = (
         statistics.median(r["optimizer"] for r in results["trainer_adamw"]) if results.get("trainer_adamw") else nan
     )
+    own = ("grad norm", "optimizer", "callbacks")  # the parts the layer adds to directly (forward hooks aside)
+    pairs = zip(results.get("default", []), results.get("bare", []), strict=False)
+    layer_ms = [sum(d.get(p, 0.0) - b.get(p, 0.0) for p in own) for d, b in pairs]
     print(
+        f"layer_ms={statistics.median(layer_ms) if layer_ms else nan:.3f} "
         f"layer_ratio={statistics.median(ratios) if ratios else nan:.3f} layer_ratio_min={min(ratios, default=nan):.3f} "
         f"layer_ratio_max={max(ratios, default=nan):.3f} optimizer_ms={opt:.3f} trainer_optimizer_ms={trainer_opt:.3f} "
         f"clock={a.clock}"

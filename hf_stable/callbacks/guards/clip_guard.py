@@ -72,6 +72,7 @@ class ClipGuard(StabilityCallback):
         self._off = False
         self._agc_said = False
         self.last_coefficients: dict[str, float] = {}
+        self._members_of: tuple | None = None  # (the statistics' group id list, `_members` of it)
 
     # --- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -128,15 +129,34 @@ class ClipGuard(StabilityCallback):
                 coefs = {g: c * cap for g, c in coefs.items()}
         return coefs
 
-    def _apply(self, dev, per_param: list[float], engine: StepEngine) -> None:
-        """Scale each gradient by its group's factor: one foreach call per distinct factor and device, the factor a
-        0-d tensor (on CPU torch's foreach multiply by a Python number is ~4x slower than by a tensor; same bits)."""
-        by_factor: dict[tuple, list[torch.Tensor]] = {}
-        for g, c in zip(engine.local_grads(dev.params), per_param, strict=False):
-            if c < 1.0 and g is not None and g.numel():
-                by_factor.setdefault((c, g.device), []).append(g)
-        for (c, device), grads in by_factor.items():
-            foreach_mul_(grads, torch.tensor(c, dtype=torch.float32, device=device))
+    def _members(self, dev) -> dict[int, list[tuple[torch.device, list[int]]]]:
+        """Group id -> [(device, indices into `dev.params`)], kept while the statistics keep their group list (the
+        usual case: every trainable tensor has a gradient), so a step does not walk the parameters' devices."""
+        cached = self._members_of
+        if cached is not None and cached[0] is dev.group_ids:
+            return cached[1]
+        members: dict[int, dict[torch.device, list[int]]] = {}
+        for i, (p, gi) in enumerate(zip(dev.params, dev.group_ids, strict=False)):
+            members.setdefault(gi, {}).setdefault(p.device, []).append(i)
+        out = {gi: list(by_device.items()) for gi, by_device in members.items()}
+        self._members_of = (dev.group_ids, out)
+        return out
+
+    def _apply(self, dev, coefs: dict[str, float], engine: StepEngine) -> None:
+        """Scale each clipped group's gradients by its factor: one foreach call per distinct factor and device (one in
+        all when the global cap sets every factor), the factor a 0-d tensor (on CPU torch's foreach multiply by a
+        Python number is ~4x slower than by a tensor; same bits)."""
+        grads = engine.local_grads(dev.params)
+        by_factor: dict[tuple, list[int]] = {}
+        for gi, runs in self._members(dev).items():
+            c = coefs.get(dev.groups[gi], 1.0)
+            if c < 1.0:
+                for device, idx in runs:
+                    by_factor.setdefault((c, device), []).extend(idx)
+        for (c, device), idx in by_factor.items():
+            clipped = [g for g in map(grads.__getitem__, idx) if g is not None and g.numel()]
+            if clipped:
+                foreach_mul_(clipped, torch.tensor(c, dtype=torch.float32, device=device))
 
     def _agc(self, dev, engine: StepEngine) -> None:
         with torch.no_grad():
@@ -193,12 +213,13 @@ class ClipGuard(StabilityCallback):
             # our own edit: the step's statistics stay pre-clip (a later max |g| is divided by the group's factor;
             # AGC's per-row factors are not undone)
             scale = None
-            per_param = [coefs.get(dev.groups[gi], 1.0) for gi in dev.group_ids]
-            if clipped:
-                scale = torch.tensor(per_param, dtype=torch.float32, device=dev.param_norms.device)
+            if clipped:  # per tensor: its group's factor (indexed on device by the statistics' group index)
+                home = dev.param_norms.device
+                by_group = torch.tensor([coefs.get(g, 1.0) for g in dev.groups], dtype=torch.float32, device=home)
+                scale = by_group[dev.group_index.to(home)]
             engine = stats.engine
             with stats.edited(state.global_step, scale):
-                self._apply(dev, per_param, engine)
+                self._apply(dev, coefs, engine)
                 if self.agc_lambda is not None and engine.whole_rows:
                     self._agc(dev, engine)
                 elif self.agc_lambda is not None and not self._agc_said:
