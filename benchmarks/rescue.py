@@ -1,7 +1,9 @@
 """Rescue benchmark: seeded failure cases x stability mechanisms (the plain Trainer, hf_stable, and the peers').
 
     OMP_NUM_THREADS=1 python benchmarks/rescue.py [--seeds 0,1,2] [--cases ...] [--arms ...] [--steps 100]
-                                                  [--quick] [--jobs 2]
+                                                  [--quick] [--jobs 2] [--events-table] [--json PATH]
+                                                  [--tree DIR --label before]
+    python benchmarks/rescue.py --compare BEFORE.json AFTER.json    # markdown before/after table, runs nothing
 
 What runs (details in the modules next to this one):
 
@@ -16,6 +18,9 @@ What runs (details in the modules next to this one):
 * `rescue_report.py`  verdicts (ok = finite and within 5 % of the plain clean run; a stop is a failure), the
   table, one `arm=... ok=N/M` line per arm and the last line.
 * `rescue_ddp.py`     the DDP cases on 2 gloo ranks (one torchrun for all of them).
+* `rescue_said.py`    what the runs said: the events table (`--events-table`), the results file (`--json`) and the
+  before/after table (`--compare`). `--tree DIR` runs the same benchmark against another checkout's `hf_stable`
+  package (`git archive REV hf_stable | tar -x -C DIR`): the cases, arms and verdict rule stay this checkout's.
 
 Single-process runs go to `--jobs` worker processes (forked after the bases are pretrained, one torch thread each);
 the DDP runs follow, alone. `cpu_x` is the arm's process CPU time over plain's on the same case and seed (with one
@@ -47,13 +52,26 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_STABLE_LOG_LEVEL", "CRITICAL")  # events are counted in the table instead
 
+
+def _tree(argv: list[str]) -> str | None:
+    """`--tree DIR` read before anything imports hf_stable (DIR holds the `hf_stable` package to benchmark)."""
+    for i, arg in enumerate(argv):
+        if arg == "--tree" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--tree="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+TREE = _tree(sys.argv[1:])
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(TREE).resolve() if TREE else Path(__file__).resolve().parents[1]))
 
 import torch
 from rescue_cases import CASES, fp16_scale, pretrain_base
 from rescue_harness import ARMS, OPT_IN, run_one
 from rescue_report import REFERENCE_ONLY, judge, summary, table
+from rescue_said import compare, events_table, read_json, write_json
 
 QUICK = {"seeds": [0], "cases": ["clean", "lr_10x", "nan", "poison_burst", "attn_logits", "ddp_nan"]}
 _STATE: dict = {}  # the pretrained bases etc., inherited by forked workers
@@ -186,12 +204,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help=f"seeds {QUICK['seeds']}, cases {QUICK['cases']}")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes for the single-process runs")
+    parser.add_argument("--events-table", action="store_true", help="per case x arm x seed: events, verdict")
+    parser.add_argument("--json", metavar="PATH", help="write every result (and how it was made) to PATH")
+    parser.add_argument("--tree", metavar="DIR", help="benchmark the hf_stable package under DIR instead")
+    parser.add_argument("--label", default=None, help="name of this arm in --json (default: after, or before)")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="two --json files: markdown table")
     opts = parser.parse_args(argv)
+    if opts.compare:
+        print("\n".join(compare(read_json(opts.compare[0]), read_json(opts.compare[1]))))
+        return
     seeds = QUICK["seeds"] if opts.quick else _ints(opts.seeds)
     cases = QUICK["cases"] if opts.quick else _names(parser, opts.cases, CASES, "cases")
     arms = _names(parser, opts.arms, ARMS, "arms")
     torch.set_num_threads(1)
     _quiet()
+    import hf_stable
+
+    package = str(Path(hf_stable.__file__).resolve().parent)
+    print(f"hf_stable from {package}", flush=True)
     t0, cpu0 = time.perf_counter(), time.process_time()
     runs = plan(cases, arms, seeds)
     bases = sorted(
@@ -227,6 +257,14 @@ def main(argv: list[str] | None = None) -> None:
         f"in this process); DDP runs count rank 0 only"
     )
     print("\n".join(summary(results, noise)))
+    if opts.events_table:
+        print()
+        print("\n".join(events_table(results)))
+    if opts.json:
+        label = opts.label or ("before" if opts.tree else "after")
+        meta = {"label": label, "hf_stable": package, "seeds": seeds, "cases": cases, "arms": arms}
+        write_json(opts.json, results, {**meta, "steps": opts.steps, "noise": noise})
+        print(f"results written to {opts.json}")
 
 
 if __name__ == "__main__":

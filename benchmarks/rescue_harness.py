@@ -10,6 +10,9 @@ An arm only adds its stability mechanism (callbacks, its own clip, or its optimi
   `guard_training_overrides` (`max_grad_norm=0`: hf_stable clips).
 * `hf_snr` / `hf_qkclip` / `hf_phases` - the same plus one opt-in guard, set in the recipe's YAML mapping
   (`config_from_dict`), on the cases that are theirs.
+* `hf_logit_lr` - a benchmark-only variant for the attention-logit decision: `hf_stable` whose `LRControl` also
+  backs off (x0.5, the rollback's backoff, factor `attn_logit`) at each sampled step where a layer's max logit
+  crosses the level (`attn_logit_high`). Not a library option: the default warns and does not act (docs/monitors.md).
 * the peers of `peers.py`: `olmo_skip`, `titan_megatron`, `zclip`, `spam`, `axolotl_watchdog`.
 """
 
@@ -30,13 +33,15 @@ from transformers import Trainer, TrainerCallback
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEERS = ("plain", "olmo_skip", "titan_megatron", "zclip", "spam", "axolotl_watchdog")
-HF_ARMS = ("hf_stable", "hf_snr", "hf_qkclip", "hf_phases")
+HF_ARMS = ("hf_stable", "hf_snr", "hf_qkclip", "hf_phases", "hf_logit_lr")
 ARMS = ("plain", "hf_stable", *PEERS[1:], *HF_ARMS[1:])
 OPT_IN = {  # the cases each opt-in arm runs on (where its mechanism is meant to act), plus the clean reference
     "hf_snr": ("clean", "lr_10x", "lr_30x", "no_warmup"),
     "hf_qkclip": ("clean_deep", "attn_logits"),
     "hf_phases": ("clean", "lr_10x", "lr_30x"),
+    "hf_logit_lr": ("clean_deep", "attn_logits"),
 }
+LOGIT_BACKOFF = 0.5  # hf_logit_lr: the LR factor's multiplier per step with a new attn_logit_high
 QK_TAU = 20.0  # the deep base's max attention logit starts near 8; 20 = "2.5x the healthy level"
 CHECKPOINT_EVERY = 25
 LOGIT_EVERY = 10
@@ -97,6 +102,22 @@ def max_logit(model) -> float:
     return value
 
 
+class LogitBackoff(TrainerCallback):
+    """hf_logit_lr: multiplies `LRControl`'s `attn_logit` factor by LOGIT_BACKOFF at each step where the attention
+    monitor wrote a new `attn_logit_high` (listed after the monitor, so it reads that step's events)."""
+
+    def __init__(self, monitor, lr_control):
+        self.monitor, self.lr_control, self.seen, self.backoffs = monitor, lr_control, 0, 0
+
+    def on_step_end(self, args, state, control, **kw):
+        events = self.monitor.events
+        new = [e for e in events[self.seen :] if e["kind"] == "attn_logit_high"]
+        self.seen = len(events)
+        if new:
+            self.lr_control.multiply("attn_logit", LOGIT_BACKOFF)
+            self.backoffs += 1
+
+
 class LogitMeter(TrainerCallback):
     def __init__(self, every: int):
         self.every, self.values = every, []
@@ -128,7 +149,15 @@ def _build(arm: str, model, case: Case, steps: int, training: dict):
             def make(args):
                 return wrap_for_phases(build_optimizer(model, same, args), cfg.stability.guards.phases, same, args)
 
-        return StableTrainer, build_callbacks(cfg), guard_training_overrides(cfg.stability.guards, training), make
+        callbacks = build_callbacks(cfg)
+        if arm == "hf_logit_lr":
+            from hf_stable.callbacks.guards.lr_control import LRControl
+            from hf_stable.callbacks.monitors.attention_monitor_callback import AttentionMonitorCallback
+
+            monitor = next(cb for cb in callbacks if isinstance(cb, AttentionMonitorCallback))
+            lr_control = next(cb for cb in callbacks if isinstance(cb, LRControl))
+            callbacks.append(LogitBackoff(monitor, lr_control))
+        return StableTrainer, callbacks, guard_training_overrides(cfg.stability.guards, training), make
     checkpoints = peers.Checkpoints(model, CHECKPOINT_EVERY)
     if arm == "olmo_skip":
         return Trainer, [peers.OlmoSkipStep()], {"max_grad_norm": 0.0}, None
@@ -159,8 +188,32 @@ def _build(arm: str, model, case: Case, steps: int, training: dict):
     raise ValueError(f"unknown arm {arm!r}")
 
 
-def _events(callbacks) -> list[str]:
-    return [e["kind"] for cb in callbacks for e in getattr(cb, "events", [])]
+def _events(callbacks) -> list[dict]:
+    return [e for cb in callbacks for e in getattr(cb, "events", [])]
+
+
+def event_summary(events: list[dict], history: list[dict]) -> dict:
+    """What the run said: `{kind: [count, severity]}` (the highest severity of the kind) and the stability verdict
+    of the benchmark tree's rule (`hf_stable.reporting.verdict`, loaded from this checkout's file, so a `--tree`
+    package older than the verdict is judged by the same rule on its own events)."""
+    rank = {"info": 0, "warning": 1, "error": 2}
+    kinds: dict[str, list] = {}
+    for e in events:
+        count, severity = kinds.get(e["kind"], [0, "info"])
+        sev = e.get("severity", "warning")
+        kinds[e["kind"]] = [count + 1, sev if rank.get(sev, 1) > rank.get(severity, 0) else severity]
+    return {"kinds": kinds, "verdict": _verdict_rule()(events, history=history)["verdict"]}
+
+
+def _verdict_rule():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "hf_stable" / "reporting" / "verdict.py"
+    spec = importlib.util.spec_from_file_location("_rescue_verdict", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.stability_verdict
 
 
 def weights_digest(weights: list[torch.Tensor]) -> str:
@@ -228,8 +281,10 @@ def run_one(
     weights = full_weights(model) if full_weights is not None else peers.trainable(model)
     if not all(bool(torch.isfinite(p).all()) for p in weights):
         eval_loss = float("nan")
-    events = _events(callbacks)
+    raised = _events(callbacks)
+    events = [e["kind"] for e in raised]
     skips = events.count("step_skipped") + sum(getattr(cb, "skips", 0) for cb in callbacks)
+    said = event_summary(raised, trainer.state.log_history) if arm in HF_ARMS else None
     logits = meter.values + [max_logit(model)] if meter else []
     return {
         "case": case.name,
@@ -240,6 +295,9 @@ def run_one(
         "checkpoint": checkpoint,
         "skips": skips,
         "rollbacks": events.count("rollback"),
+        "events": said["kinds"] if said else None,
+        "stability": said["verdict"] if said else None,
+        "lr_factor": next((cb.product for cb in callbacks if hasattr(cb, "product")), 1.0),
         "faults": sorted(faults.at),
         "cpu_s": time.process_time() - cpu0,
         "wall_s": time.perf_counter() - wall0,

@@ -1,6 +1,6 @@
 """`hf-stable` console command: subcommands dispatch to the module that owns them.
 
-hf-stable audit DATA.jsonl --tokenizer DIR|HUB_ID|embedded:tiny-llama [--skip-bad] [--json]
+hf-stable audit DATA.jsonl --tokenizer DIR|HUB_ID|embedded:tiny-llama [--skip-bad] [--json]   (SFT records or DPO pairs)
 hf-stable report OUTPUT_DIR
 hf-stable doctor --config CONFIG.yaml [overrides] [--json]
 hf-stable build-base [--arch llama|qwen2|qwen3]
@@ -16,7 +16,11 @@ from hf_stable.errors import HfStableError
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS = {
-    "audit": ("hf_stable.data.audit", "main", "audit a JSONL dataset (cleaning, EOS, labels, padding, duplicates)"),
+    "audit": (
+        "hf_stable.data.audit_pairs",
+        "main",
+        "audit a JSONL dataset, SFT or preference pairs (cleaning, EOS, labels, padding, duplicates)",
+    ),
     "report": ("hf_stable.reporting.report", "main", "render the stability report of an output dir"),
     "doctor": ("hf_stable.doctor", "main", "preflight checks: environment, config hazards, dry run"),
     "build-base": ("hf_stable.embedded.cli", "main", "build (or find cached) the tiny embedded base model"),

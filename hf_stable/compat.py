@@ -11,6 +11,7 @@ The `Trainer` methods `StableTrainer` overrides (`_clip_grad_norm`, `_get_grad_n
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 
 import torch
@@ -23,8 +24,9 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0, dtype=torch.floa
     return list(torch._foreach_norm(tensors, ord, dtype=dtype))
 
 
-def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor) -> None:
-    """Multiply every tensor in place by `factor` (a number or a 0-d tensor on their device): `torch._foreach_mul_`."""
+def foreach_mul_(tensors: list[torch.Tensor], factor: float | torch.Tensor | list[float]) -> None:
+    """Multiply every tensor in place by `factor` (a number, a 0-d tensor on their device, or one number per
+    tensor): `torch._foreach_mul_`."""
     torch._foreach_mul_(tensors, factor)
 
 
@@ -41,6 +43,17 @@ def foreach_sub(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tens
 def tensor_version(tensor: torch.Tensor) -> int:
     """The tensor's version counter (`Tensor._version`), bumped by every in-place operation on it."""
     return tensor._version
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def tensor_versions(tensors: list) -> list[int]:
+    """`tensor_version` of each tensor, -1 for None (read every step for every gradient: one `map`, not a call each)."""
+    try:
+        return list(map(_VERSION, tensors))
+    except AttributeError:  # a None among them
+        return [-1 if t is None else t._version for t in tensors]
 
 
 # --- torch: the optimizer and loss-scaler internals -----------------------------------------------------------------
@@ -61,6 +74,16 @@ def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
     """Give `optimizer` the empty hook registries `Optimizer.__init__` would have made."""
     for name in OPTIMIZER_HOOK_DICTS:
         setattr(optimizer, name, OrderedDict())
+
+
+def fused_optimizer_device_types() -> tuple[str, ...]:
+    """Device types torch's fused optimizer kernels run on (`torch.utils._foreach_utils`); ("cuda",) when torch
+    does not say (CPU joined in torch 2.4)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return ("cuda",)
+    return tuple(_get_fused_kernels_supported_devices())
 
 
 def scaler_unscale_once(scaler, optimizer: torch.optim.Optimizer) -> bool:
@@ -86,12 +109,16 @@ def attn_implementation(model_or_config) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
+# TRL `DPOTrainer` methods the DPO stage overrides (`hf_stable.stages.dpo.PairsDPOTrainer`): name -> parameters.
+TRL_DPO_METHODS = {"_prepare_dataset": ("self", "dataset", "processing_class", "args", "dataset_name")}
+
 # Trainer methods `StableTrainer` overrides or calls: name -> parameter names (self first), as we call them.
 TRAINER_METHODS = {
     "_clip_grad_norm": ("self", "model"),
     "_get_grad_norm": ("self", "model", "grad_norm"),
     "_has_mixed_mesh_grads": ("self", "model"),
     "_get_train_sampler": ("self", "train_dataset"),
+    "_save_checkpoint": ("self", "model", "trial"),
     "_init_training_state": (
         "self",
         "max_steps",
@@ -106,6 +133,29 @@ TRAINER_METHODS = {
 def has_mixed_mesh_grads(trainer, model) -> bool:
     """Whether gradients live on different device meshes (`Trainer._has_mixed_mesh_grads`)."""
     return trainer._has_mixed_mesh_grads(model)
+
+
+def keep_train_column(trainer, name: str) -> None:
+    """Make the Trainer's unused-column removal (`Trainer._remove_unused_columns`, ``remove_unused_columns=True``)
+    keep the dataset column `name`: it is added to ``trainer._signature_columns``, which TRL's DPO / KTO trainers set
+    in their `_set_signature_columns_if_needed` (the tokenized columns)."""
+    trainer._set_signature_columns_if_needed()
+    columns = list(trainer._signature_columns or [])
+    if name not in columns:
+        trainer._signature_columns = columns + [name]
+
+
+# --- datasets: a filtered dataset's index mapping ------------------------------------------------------------------
+
+
+def dataset_source_rows(dataset) -> list[int]:
+    """For each row of a `datasets.Dataset`, its row in the table it was filtered / selected from: a ``filter`` (TRL
+    drops over-long prompts after tokenizing) keeps the table and an index mapping (``Dataset._indices``);
+    ``range(len)`` when there is none."""
+    indices = getattr(dataset, "_indices", None)
+    if indices is None:
+        return list(range(len(dataset)))
+    return [int(i) for i in indices.column(0).to_pylist()]
 
 
 # --- bitsandbytes: the CPU inference repack of 4-bit weights --------------------------------------------------------

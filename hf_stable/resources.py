@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from importlib.resources import as_file, files
 from pathlib import Path
 
-EMBEDDED_DATASETS = ("train", "eval")
+EMBEDDED_DATASETS = ("train", "eval", "grpo", "pairs_train", "pairs_eval")  # grpo: GRPO prompts; pairs_*: DPO
 
 # A zipped install extracts a resource to a temporary file that must outlive the call: closed at exit.
 _extracted = ExitStack()
@@ -29,7 +29,7 @@ def package_file(*parts: str) -> Path:
 
 
 def embedded_data_paths() -> list[str]:
-    """The data paths that name packaged datasets: `embedded:train`, `embedded:eval`."""
+    """The data paths that name packaged datasets: `embedded:train`, `embedded:eval`, `embedded:pairs_train`, ...."""
     from hf_stable.config.model import EMBEDDED_PREFIX  # config imports this module: resolved at call time
 
     return [f"{EMBEDDED_PREFIX}{name}" for name in EMBEDDED_DATASETS]

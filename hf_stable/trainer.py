@@ -8,6 +8,8 @@ Every hf_stable callback works in a stock `Trainer`; this subclass removes what 
   them (version counters), so guards judge what the optimizer applies. A non-finite norm leaves the gradients as
   they are (the stock clip turns every gradient NaN and hides which parameter went bad).
 * Reporting integrations run after our callbacks (`order_for_reporting`), so they log hf_stable's metrics.
+* hf_stable callbacks' resume state is written into the `TrainerState` just before each checkpoint (and at train
+  end), not at every step's end as in a stock Trainer, which gives callbacks no hook before it saves.
 * The batch's ``record_ids`` (`data.identity`) are popped before the forward and handed to the `StepTap` for the
   spike forensics - only when hf_stable's own collator (which this trainer asked for them) made the batch; another
   collator's ``record_ids`` are the user's and reach the model untouched. The train sampler skips quarantined
@@ -48,6 +50,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import has_length
 
+from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
 from hf_stable.callbacks.ordering import order_for_reporting
 from hf_stable.callbacks.spike_forensics import wrap_train_sampler
@@ -86,6 +89,22 @@ class StableTrainer(Trainer):
         if hasattr(self.data_collator, "return_record_ids"):
             self.data_collator.return_record_ids = True
             self._record_ids_collator = self.data_collator
+        for cb in self.callback_handler.callbacks:  # their state goes into the TrainerState when we save, not per step
+            if isinstance(cb, StabilityCallback):
+                cb.writes_state_at_checkpoints = True
+
+    def _write_callback_states(self) -> None:
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, StabilityCallback):
+                cb._save_into(self.state)
+
+    def _save_checkpoint(self, model, trial):
+        self._write_callback_states()  # trainer_state.json carries every hf_stable callback's state of this step
+        return super()._save_checkpoint(model, trial)
+
+    def save_state(self):
+        self._write_callback_states()
+        return super().save_state()
 
     def _reads_gradients(self, model) -> bool:
         from accelerate.utils import DistributedType
@@ -215,7 +234,7 @@ class StableTrainer(Trainer):
             )
         tap = StepTap.shared(self.model) if self.model is not None else None
         if tap is not None and tap.objective is not None:  # `hf_stable.stabilize`: the guards judge this loss
-            tap.note_objective(out[0] if return_outputs else out, inputs)
+            tap.note_objective(out[0] if return_outputs else out, inputs, record_ids)
         return out
 
     def _training_forward(self, model, inputs, return_outputs: bool):

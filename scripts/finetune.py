@@ -2,6 +2,7 @@
 
     accelerate launch scripts/finetune.py                                   # embedded default (CPU, offline)
     accelerate launch scripts/finetune.py --config configs/qwen2.5-7b-lora.yaml --training.learning_rate 1e-4
+    accelerate launch scripts/finetune.py --config configs/grpo.yaml          # GRPO from the default SFT run's adapter
 
 Every step below is one call into hf_stable; the library holds the logic, this file holds the order.
 """
@@ -40,6 +41,7 @@ from hf_stable.optim.phases import wrap_for_phases
 from hf_stable.outputs import OutputDir, error_boundary
 from hf_stable.reporting import finalize_outputs, save_generation_config
 from hf_stable.reporting.verdict import verdict_line
+from hf_stable.stages import run_stage
 from hf_stable.trainer import StableTrainer
 
 logger = get_logger("finetune")
@@ -49,6 +51,9 @@ def main(argv: list[str]) -> None:
     started = time.time()
     with error_boundary():
         cfg = load_config(argv=argv)
+        if cfg.stage != "sft":  # dpo / grpo: TRL's trainer under hf_stable.stabilize (hf_stable/stages)
+            run_stage(cfg, started)
+            return
         quiet_first_screen(cfg)  # other libraries' notices that are wrong for this run (DeepSpeed's CPU line, ...)
         # an embedded base is built (ranks share one build through a file lock) before TrainingArguments: with a ZeRO-3
         # config every model construction after them is a collective that a rank building alone would hang in

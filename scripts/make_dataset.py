@@ -4,8 +4,12 @@
 
 Writes train.jsonl (~2k records, some deliberately dirty: zero-width and control characters, empty
 `input`, outputs with and without a trailing newline) and eval.jsonl (~200 held-out prompts that never
-appear in train). The files are committed as package data (`hf_stable/embedded/data`, which `data/embedded` links
-to; recipes name them `embedded:train` / `embedded:eval`); rerunning with the same seed reproduces them byte for byte.
+appear in train), grpo.jsonl (600 clean prompts of the arithmetic, reversal and unit conversion families with
+their `answer`, for the GRPO stage; none is an eval prompt) and the DPO preference pairs pairs_train.jsonl /
+pairs_eval.jsonl (``hf_stable/embedded/pairs.py``: chosen = the computed answer, rejected = a plausible wrong one).
+The files are committed as package data (`hf_stable/embedded/data`, which `data/embedded` links to; recipes name them
+`embedded:train` / `embedded:eval` / `embedded:grpo` / `embedded:pairs_train` / `embedded:pairs_eval`); rerunning
+with the same seed reproduces them byte for byte.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_stable.embedded.tasks import instruction_dataset
+from hf_stable.embedded.pairs import preference_pairs
+from hf_stable.embedded.tasks import grpo_prompts, instruction_dataset
 
 # Characters that some line readers treat as line breaks (str.splitlines does): keep them escaped so one
 # record stays on one physical line for every JSONL reader. Other non-ASCII text stays readable.
@@ -35,6 +40,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-eval", type=int, default=200)
+    parser.add_argument("--n-grpo", type=int, default=600)
     parser.add_argument("--out", default="data/embedded")
     args = parser.parse_args()
     out = Path(args.out)
@@ -42,7 +48,15 @@ def main() -> None:
     train, held_out = instruction_dataset(args.seed, args.n_train, args.n_eval)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "eval.jsonl", held_out)
-    print(f"wrote {len(train)} train and {len(held_out)} eval records to {out}")
+    prompts = grpo_prompts(args.seed, args.n_grpo, args.n_eval)
+    write_jsonl(out / "grpo.jsonl", prompts)
+    pairs_train, pairs_eval = preference_pairs(args.seed)
+    write_jsonl(out / "pairs_train.jsonl", pairs_train)
+    write_jsonl(out / "pairs_eval.jsonl", pairs_eval)
+    print(
+        f"wrote {len(train)} train, {len(held_out)} eval and {len(prompts)} GRPO prompt records, "
+        f"{len(pairs_train)} train and {len(pairs_eval)} eval preference pairs to {out}"
+    )
 
 
 if __name__ == "__main__":

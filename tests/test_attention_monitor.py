@@ -214,7 +214,17 @@ def test_the_level_based_rule_is_silent_on_a_healthy_rise_and_warns_near_saturat
     ]  # 160 > 100 at the 4th, 5th sample
     assert "layer 0 max attention logit 160 > the level 100 where softmax saturates" in high[0]["message"]
     growth = [e for e in alerts if e["kind"] == "attn_logit_growth"]
-    assert growth and all(e["value"] >= 50 for e in growth) and "approaching the level 100" in growth[0]["message"]
+    assert growth and all(e["value"] >= 50 and e["threshold"] == 50 for e in growth)
+    assert "past the level 50 (0.5 of 100, where softmax saturates)" in growth[0]["message"]
+
+
+def test_growth_below_the_level_is_silent_and_fires_once_past_it():
+    # the same steady x1.5-per-sample rise: silent while it stays under 50 (half the level), fires past it
+    rise = [4.0, 6.0, 9.0, 13.5, 20.0, 30.0, 45.0]
+    assert _alerts(rise) == []  # level 100: 45 < 50, nothing said
+    fired = [e for e in _alerts([*rise, 67.5]) if e["kind"] == "attn_logit_growth"]
+    assert [(e["group"], e["step"], e["value"]) for e in fired] == [("layer_0", 80, 67.5)]
+    assert fired[0]["threshold"] == 50 and "past the level 50" in fired[0]["message"]
 
 
 def test_a_softcap_lowers_the_level_to_the_cap():

@@ -41,6 +41,10 @@ def test_foreach_mul_copy_and_sub():
         torch.testing.assert_close(c, b)  # the copy did not follow the in-place change
     for d, x, b in zip(compat.foreach_sub(xs, copies), xs, before, strict=True):
         torch.testing.assert_close(d, x - b)
+    factors = [float(i + 2) for i in range(len(xs))]  # one factor per tensor, in one call
+    compat.foreach_mul_(xs, factors)
+    for x, b, f in zip(xs, before, factors, strict=True):
+        torch.testing.assert_close(x, b * 1.5 * f)
 
 
 def test_tensor_version_counts_in_place_changes():
@@ -50,6 +54,9 @@ def test_tensor_version_counts_in_place_changes():
     assert compat.tensor_version(x) == v + 1
     x.mul_(2)
     assert compat.tensor_version(x) == v + 2
+    y = torch.ones(2)
+    assert compat.tensor_versions([x, y]) == [v + 2, compat.tensor_version(y)]
+    assert compat.tensor_versions([x, None, y]) == [v + 2, -1, compat.tensor_version(y)]
 
 
 def test_optimizer_hook_dicts_are_the_ones_optimizer_init_makes():
@@ -95,6 +102,20 @@ def test_scaler_unscale_once_unscales_once_and_reports_overflow():
     assert compat.scaler_unscale_once(scaler, opt) is True
 
 
+def test_fused_optimizer_device_types_name_where_fused_adamw_runs():
+    kinds = compat.fused_optimizer_device_types()
+    assert "cuda" in kinds
+    assert ("cpu" in kinds) == (tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 4))
+    if "cpu" in kinds:  # what the list promises: a fused AdamW step on this device type, same as the for-loop one
+        ws = [torch.nn.Parameter(torch.tensor([1.0, -2.0])) for _ in range(2)]
+        for w, fused in zip(ws, (True, False), strict=True):
+            w.grad = torch.tensor([0.5, 0.25])
+            kernel = {"fused": True} if fused else {"foreach": False}
+            torch.optim.AdamW([w], lr=0.1, weight_decay=0.01, **kernel).step()
+        torch.testing.assert_close(ws[0].detach(), ws[1].detach())
+        assert not torch.equal(ws[0].detach(), torch.tensor([1.0, -2.0]))
+
+
 def _tiny_config():
     return transformers.LlamaConfig(
         vocab_size=32,
@@ -121,6 +142,15 @@ def test_private_trainer_methods_exist_with_the_signature_we_use(name):
     params = inspect.signature(method).parameters
     assert tuple(params) == compat.TRAINER_METHODS[name]
     assert not any(p.default is inspect.Parameter.empty for n, p in params.items() if n == "grad_norm")
+
+
+@pytest.mark.parametrize("name", sorted(compat.TRL_DPO_METHODS))
+def test_private_dpo_trainer_methods_exist_with_the_signature_we_override(name):
+    trl = pytest.importorskip("trl")
+    from hf_stable.stages.dpo import _trainer_class
+
+    assert tuple(inspect.signature(getattr(trl.DPOTrainer, name)).parameters) == compat.TRL_DPO_METHODS[name]
+    assert tuple(inspect.signature(getattr(_trainer_class(), name)).parameters) == compat.TRL_DPO_METHODS[name]
 
 
 def test_has_mixed_mesh_grads_on_a_plain_model(tmp_path):
@@ -153,3 +183,24 @@ def test_dynamo_compile_counts_count_compiles_recompiles_and_breaks():
     assert counts["graphs"] == 4 and counts["graph_breaks"] >= 1 and counts["frames_at_limit"] == 0
     compat.reset_dynamo()
     assert compat.dynamo_compile_counts() == dict.fromkeys(counts, 0)
+
+
+def test_dataset_source_rows_reads_a_filters_index_mapping():
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list([{"x": i} for i in range(6)])
+    assert compat.dataset_source_rows(ds) == list(range(6))
+    kept = ds.map(lambda r: {"y": r["x"] * 2}).filter(lambda r: r["x"] % 3 != 1)  # TRL: map (tokenize), then filter
+    assert compat.dataset_source_rows(kept) == [0, 2, 3, 5] == kept["x"]
+
+
+def test_keep_train_column_extends_trls_signature_columns(tmp_path):
+    pytest.importorskip("trl")
+    from tests.dist_scripts.posttrain_common import build_trainer
+
+    trainer = build_trainer("dpo", tmp_path, max_steps=1)
+    compat.keep_train_column(trainer, "extra")
+    compat.keep_train_column(trainer, "extra")
+    assert trainer._signature_columns[:3] == ["prompt_ids", "chosen_ids", "rejected_ids"]
+    assert trainer._signature_columns.count("extra") == 1
+    kept = trainer._remove_unused_columns(trainer.train_dataset.add_column("extra", [0] * len(trainer.train_dataset)))
+    assert "extra" in kept.column_names and "prompt" not in kept.column_names

@@ -42,8 +42,9 @@ def test_embedded_data_paths_name_the_packaged_files(tmp_path, monkeypatch):
 
     with pytest.raises(ConfigError) as err:
         load_config(argv=["--data.eval_file", "embedded:evl"])
-    assert "data.eval_file: got 'embedded:evl', the packaged datasets are: embedded:train, embedded:eval" in str(
-        err.value
+    assert (
+        "data.eval_file: got 'embedded:evl', the packaged datasets are: embedded:train, embedded:eval, embedded:grpo, embedded:pairs_train, "
+        "embedded:pairs_eval" in str(err.value)
     )
     with pytest.raises(DataError, match=r"^data.train_file: embedded:tran is not a packaged dataset; they are: "):
         read_records("embedded:tran")

@@ -1,6 +1,6 @@
 """Two real DDP ranks on CPU (gloo) with `hf_stable.stabilize` on TRL's DPOTrainer and GRPOTrainer: a NaN on one
 rank (in the forward, and in a gradient after the all-reduce; for GRPO also damaged importance ratios) is skipped on
-both, and the ranks decide identically;
+both, and the ranks decide identically and a skipped DPO step names both ranks' pairs;
 and DPO under DeepSpeed ZeRO-2 on 2 CPU ranks."""
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ def test_dpo_and_grpo_on_two_ranks_decide_identically(tmp_path):
             assert r["engine"] == "ddp" and r["skipped"] == bad and r["finite"], (kind, r)
             assert set(bad) <= set(r["unchanged_at"]), (kind, r)  # (a zero-signal GRPO step may leave them too)
         assert ranks[0]["events"] == ranks[1]["events"], kind
+        if kind == "dpo":  # each skipped step names its 8 pairs (4 a rank, gathered), the same list on both ranks
+            assert ranks[0]["pairs"] == ranks[1]["pairs"] and set(ranks[0]["pairs"]) == {"3", "5"}, ranks
+            assert all(len(set(ids)) == 8 and set(ids) <= set(range(32)) for ids in ranks[0]["pairs"].values())
         w0, w1 = (torch.load(tmp_path / kind / f"rank{i}.pt") for i in (0, 1))
         assert set(w0) == set(w1) and all(torch.equal(w0[k], w1[k]) for k in w0), kind
 

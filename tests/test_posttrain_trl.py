@@ -10,6 +10,7 @@ weights (DPO, KTO) or crashes at the next sampling (GRPO).
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -74,6 +75,12 @@ def test_faults_are_skipped_and_the_weights_stay_finite(faulted):
     # 3 bad steps: the rollback's check re-ran the batches through compute_loss and found the data, not the weights
     kinds = [e["kind"] for e in read_events(trainer.args.output_dir)]
     assert "rollback_declined" in kinds and "rollback" not in kinds
+    pairs = {e["step"]: e["records"] for e in read_events(trainer.args.output_dir) if e["kind"] == "step_pairs"}
+    if kind == "grpo":  # prompts, not records of a dataset of pairs
+        assert not pairs
+    else:  # each skipped DPO / KTO step names the 4 records of its batch (indices of the 32-row dataset)
+        assert sorted(pairs) == expected
+        assert all(len(set(ids)) == 4 and set(ids) <= set(range(32)) for ids in pairs.values()), pairs
 
 
 def test_the_judged_loss_is_the_loss_trl_logs(faulted):
@@ -111,25 +118,41 @@ def test_importing_hf_stable_does_not_import_trl():
 
 
 @pytest.mark.slow
-def test_a_dpo_batch_with_chosen_and_rejected_swapped_is_skipped(tmp_path):
+def test_a_dpo_batch_with_chosen_and_rejected_swapped_is_skipped_and_its_pairs_named(tmp_path):
+    """The records come from a JSONL file (``stabilize(trainer, records=path)``): the skipped step names exactly its
+    four swapped pairs by file:line, in a `step_pairs` event and in skipped_pairs.jsonl with their text."""
     steps, swapped = 30, 26
     rows = preference_rows(4 * steps)
     for r in rows[4 * (swapped - 1) : 4 * swapped]:  # one batch (sequential order) with the preference reversed
         r["chosen"], r["rejected"] = r["rejected"], r["chosen"]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "run"
     trainer = build_trainer(
         "dpo",
-        tmp_path,
+        out,
         data=rows,
         max_steps=steps,
         learning_rate=1e-2,
         beta=1.0,
         train_sampling_strategy="sequential",
     )
-    hf_stable.stabilize(trainer).train()
+    hf_stable.stabilize(trainer, records=path).train()
     loss = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     assert loss[swapped] > 2 * loss[swapped - 1]  # what the swap does to the DPO loss
-    skipped = [e for e in read_events(tmp_path) if e["kind"] == "step_skipped"]
+    events = read_events(out)
+    skipped = [e for e in events if e["kind"] == "step_skipped"]
     assert [e["step"] for e in skipped] == [swapped] and "loss_spike" in skipped[0]["reasons"]
+    expected = list(range(4 * (swapped - 1), 4 * swapped))
+    named = [e for e in events if e["kind"] == "step_pairs"]
+    assert len(named) == 1 and named[0]["step"] == swapped and named[0]["records"] == expected
+    assert named[0]["where"] == [f"pairs.jsonl:{i + 1}" for i in expected] and "pairs.jsonl:101" in named[0]["message"]
+    lines = [json.loads(line) for line in (out / "skipped_pairs.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["index"], r["where"], r["reasons"]) for r in lines] == [
+        (swapped, i, f"pairs.jsonl:{i + 1}", skipped[0]["reasons"]) for i in expected
+    ]
+    for r in lines:  # the swapped pair's own text (TRL appended EOS to the completions)
+        assert r["prompt"] == rows[r["index"]]["prompt"] and r["chosen"].startswith(rows[r["index"]]["chosen"])
 
 
 @pytest.mark.slow

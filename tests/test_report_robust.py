@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_stable.reporting import stability_plots
+from hf_stable.reporting import posttrain_plots, stability_plots
 from hf_stable.reporting.report import _glance, render_report
 from hf_stable.reporting.suspect_data import plot_bad_step_losses, suspect_table
 
@@ -31,6 +31,13 @@ KEYS = [
     "mem/rss_gib",
     "mem/fragmentation",
     "perf/tokens_per_s",
+    "posttrain/reward",
+    "posttrain/kl",
+    "posttrain/entropy",
+    "posttrain/completions/mean_length",
+    "posttrain/rewards/margins",
+    "posttrain/logps/chosen",
+    "posttrain/rewards/accuracies",
 ]
 
 
@@ -86,6 +93,8 @@ def test_every_plot_and_table_copes_with_nonfinite_empty_and_one_point_series(tm
     _check_written(stability_plots.plot_grad_norms(history, events, out / "g.png"))
     _check_written(stability_plots.plot_grad_norms(history, events, out / "g_heat.png", max_lines=0))
     _check_written(stability_plots.plot_memory(history, out / "mem.png"))
+    _check_written(posttrain_plots.plot_rl(history, events, out / "rl.png"))
+    _check_written(posttrain_plots.plot_preference(history, events, out / "pref.png"))
     _glance(history)
 
 
@@ -151,3 +160,32 @@ def test_short_run_loss_lr_plot_labels_its_loss_and_draws_it_over_the_lr(tmp_pat
     assert "train loss (mean over each logging interval)" in captured["labels"]
     assert captured["markers"][0] == "o"  # one or two points stay visible
     assert captured["loss_on_top"]
+
+
+def test_posttrain_plots_are_drawn_only_when_the_run_has_their_signals(tmp_path):
+    """A DPO run's history draws the preference plot and no RL plot (its TRL entropy alone is no RL run); a GRPO
+    run's the RL plot, whose KL log axis leaves out the 1e-300 and 0 values; an SFT run's neither. Both end up
+    linked in the report."""
+    dpo = [
+        {
+            "step": s,
+            "posttrain/rewards/margins": 0.1 * s,
+            "posttrain/logps/chosen": -30.0 - s,
+            "posttrain/entropy": 5.0,
+        }
+        for s in range(1, 5)
+    ]
+    grpo = [{"step": s, "posttrain/reward": 0.5, "posttrain/kl": v} for s, v in enumerate([1e-300, 0.0, 1e9, 2.0], 1)]
+    sft = [{"step": 1, "loss": 2.0, "grad_norm": 1.0}]
+    events = [{"kind": "margin_runaway", "step": 3, "severity": "warning"}]
+    assert posttrain_plots.plot_rl(dpo, events, tmp_path / "a.png") is None
+    assert posttrain_plots.plot_preference(dpo, events, tmp_path / "b.png") is not None
+    assert posttrain_plots.plot_preference(grpo, events, tmp_path / "c.png") is None
+    assert posttrain_plots.plot_rl(grpo, events, tmp_path / "d.png") is not None
+    assert posttrain_plots._points(grpo, "kl", log=True) == [(3, 1e9), (4, 2.0)]
+    assert posttrain_plots.plot_rl(sft, [], tmp_path / "e.png") is None
+    assert posttrain_plots.plot_preference(sft, [], tmp_path / "f.png") is None
+    text = render_report(tmp_path / "run", dpo + grpo)
+    assert (
+        "![RL signals](report/posttrain_rl.png)" in text and "![preference signals](report/posttrain_pref.png)" in text
+    )

@@ -9,9 +9,11 @@ What it adds to `transformers.TrainerCallback`:
   needs `order_for_reporting(trainer)` (see `ordering`). Callbacks are never moved otherwise: a user's callback
   listed before ours runs before ours.
 * **Events.** `self.event(...)` appends to `stability_events.jsonl` (main process only) and logs.
-* **Resume.** `state_dict()` / `load_state_dict()` of JSON-safe values. The state is kept in
-  `TrainerState.stateful_callbacks["hf_stable"][state_key]` every step, so every checkpoint's
-  trainer_state.json has it, and it is restored in place at `on_train_begin` when resuming. We do not
+* **Resume.** `state_dict()` / `load_state_dict()` of JSON-safe values. The state is written into
+  `TrainerState.stateful_callbacks["hf_stable"][state_key]` so every checkpoint's trainer_state.json has it, and
+  it is restored in place at `on_train_begin` when resuming. Under `StableTrainer` it is written just before each
+  checkpoint (and at train end), not every step (`writes_state_at_checkpoints`); in a stock Trainer, which cannot
+  tell us before it saves, at every step's end. We do not
   use transformers' `ExportableState` replacement, which rebuilds a *new* callback from constructor
   args: it would drop configuration objects and the links between monitors and guards.
 
@@ -42,6 +44,9 @@ class StabilityCallback(TrainerCallback):
     Args:
         enabled: when False the callback does nothing at all.
     """
+
+    # Set by `StableTrainer`, which writes every callback's state just before it saves a checkpoint.
+    writes_state_at_checkpoints = False
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -126,7 +131,8 @@ class StabilityCallback(TrainerCallback):
         begin_step(model)  # the shared gradient statistics gather afresh this step (rank-agreed, see grad_stats)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._save_into(state)
+        if not self.writes_state_at_checkpoints:
+            self._save_into(state)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._save_into(state)

@@ -76,6 +76,13 @@ class ModelConfig:
         default_factory=QuantizationConfig,
         metadata={"help": "Load the frozen base in 4-bit / 8-bit through bitsandbytes (QLoRA)."},
     )
+    start_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "stage dpo / grpo: an earlier stage's output dir (its LoRA adapter is trained further on "
+            "model.name_or_path, the same base) or its merged export (the new base of a fresh adapter)."
+        },
+    )
     untrained_tokens: Literal["repair", "train", "ignore"] = field(
         default="train",
         metadata={

@@ -65,8 +65,8 @@ class OptimConfig:
     adamw_impl: Literal["auto", "fused", "foreach", "for_loop"] = field(
         default="auto",
         metadata={
-            "help": "AdamW kernel: auto = fused when CUDA is available, else PyTorch's default; "
-            "fused/foreach/for_loop force one (fused needs PyTorch >= 2.4 on CPU)."
+            "help": "AdamW kernel: auto = torch's fused AdamW where it runs on the parameters' devices (CPU with "
+            "PyTorch >= 2.4, CUDA), else foreach; fused/foreach/for_loop force one."
         },
     )
     sgd_momentum: float = field(default=0.9, metadata={"help": "SGD momentum."})

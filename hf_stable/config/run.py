@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hf_stable.config.attention import AttentionConfig
 from hf_stable.config.data import DataConfig
@@ -24,6 +24,7 @@ from hf_stable.config.model import LoraSection, ModelConfig
 from hf_stable.config.optim import OptimConfig
 from hf_stable.config.runtime import RuntimeConfig
 from hf_stable.config.stability import StabilityConfig
+from hf_stable.config.stages import check_stages
 from hf_stable.config.training import check_training, training_defaults  # noqa: F401 - re-exported (doctor)
 from hf_stable.errors import ConfigError
 from hf_stable.resources import package_file
@@ -35,6 +36,14 @@ DEFAULT_CONFIG = package_file("recipes", "default.yaml")  # `configs/default.yam
 class RunConfig:
     """Every section of a recipe. `training` is passed through to `transformers.TrainingArguments`."""
 
+    stage: Literal["sft", "dpo", "grpo"] = field(
+        default="sft",
+        metadata={
+            "help": "What this run trains: 'sft' (supervised, the default), 'dpo' (preference pairs, TRL's "
+            "DPOTrainer) or 'grpo' (prompts + rewards, TRL's GRPOTrainer); a later stage starts from "
+            "model.start_from (docs/post-training.md)."
+        },
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSection = field(default_factory=LoraSection)
     data: DataConfig = field(default_factory=DataConfig)
@@ -59,6 +68,27 @@ class RunConfig:
     training: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Keyword arguments of transformers.TrainingArguments."}
     )
+    dpo: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "stage: dpo - trl.DPOConfig fields that TrainingArguments lacks (beta, loss_type, ...); "
+            "shared fields stay under training, max_length is data.max_length."
+        },
+    )
+    grpo: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "stage: grpo - trl.GRPOConfig fields that TrainingArguments lacks (num_generations, "
+            "max_completion_length, beta, temperature, use_vllm, ...); shared fields stay under training."
+        },
+    )
+    rewards: list[str] = field(
+        default_factory=lambda: ["exact_answer", "answer_format"],
+        metadata={
+            "help": "stage: grpo - reward functions, summed (weights: grpo.reward_weights): shipped 'exact_answer', "
+            "'answer_format', 'answer_similarity', or 'module:function' for your own."
+        },
+    )
     source: str | None = field(default=None, init=False, metadata={"help": "The YAML file this came from."})
 
     def to_dict(self) -> dict:
@@ -80,6 +110,7 @@ def config_from_dict(data: dict, source: str | None = None) -> RunConfig:
         cfg = None
     if cfg is not None:
         cfg.training = check_training(cfg.training, problems)
+        check_stages(cfg, problems)
         cfg.source = source
     if problems:
         raise ConfigError(problems, source=source)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_stable.compat import foreach_norm, tensor_version
+from hf_stable.compat import foreach_norm, tensor_versions
 from hf_stable.core.engine import StepEngine
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
 from hf_stable.core.grad_rows import GradRows
@@ -45,7 +45,7 @@ def _gone():
 
 
 def _versions(grads: list) -> list[int]:
-    return [-1 if g is None else tensor_version(g) for g in grads]
+    return tensor_versions(grads)
 
 
 def _device_runs(devices: list) -> list[tuple[int, int]]:

@@ -141,16 +141,17 @@ class StepTap:
         micro-batch with `note_objective`. None: back to the model's loss."""
         self.objective = fn
 
-    def note_objective(self, loss, inputs) -> None:
-        """A training micro-batch's objective `loss` (what `compute_loss` returned) and its trainer-level `inputs`,
-        recorded as the model's forward would be (not while paused, in evaluation or without grad)."""
+    def note_objective(self, loss, inputs, record_ids: torch.Tensor | None = None) -> None:
+        """A training micro-batch's objective `loss` (what `compute_loss` returned), its trainer-level `inputs` and
+        its `record_ids`, recorded as the model's forward would be (not while paused, in evaluation or without
+        grad)."""
         model = self._model_ref()
         if self._paused or model is None or not model.training or not torch.is_grad_enabled():
             return
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
         self.inputs.append(((), inputs))
-        self.record_ids.append(None)
+        self.record_ids.append(record_ids)
         loss = loss.detach().to(torch.float32).reshape(())
         one = torch.ones_like(loss)
         self._num = loss if self._num is None else self._num + loss

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,7 +73,9 @@ class ReadResult:
     cleaning: CleaningStats = field(default_factory=CleaningStats)
 
 
-class _Bad(Exception):
+class BadRecord(Exception):
+    """One bad line: `reason` is the counter key of the skip-and-count mode, the message says what is wrong."""
+
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
@@ -94,34 +97,36 @@ def record_format(obj: dict) -> str | None:
 def check_alpaca(obj: dict) -> dict:
     for name in ("instruction", "output"):
         if name not in obj:
-            raise _Bad("missing_field", f"missing field '{name}' (alpaca records need instruction, output)")
+            raise BadRecord("missing_field", f"missing field '{name}' (alpaca records need instruction, output)")
         if not isinstance(obj[name], str):
-            raise _Bad("wrong_type", f"field '{name}' must be a string, got {_type_name(obj[name])}")
+            raise BadRecord("wrong_type", f"field '{name}' must be a string, got {_type_name(obj[name])}")
     if obj.get("input") is None:
         obj = {**obj, "input": ""}
     elif not isinstance(obj["input"], str):
-        raise _Bad("wrong_type", f"field 'input' must be a string or null, got {_type_name(obj['input'])}")
+        raise BadRecord("wrong_type", f"field 'input' must be a string or null, got {_type_name(obj['input'])}")
     return obj
 
 
 def check_chat(obj: dict) -> dict:
     msgs = obj.get("messages")
     if not isinstance(msgs, list):
-        raise _Bad("wrong_type", f"field 'messages' must be a list, got {_type_name(msgs)}")
+        raise BadRecord("wrong_type", f"field 'messages' must be a list, got {_type_name(msgs)}")
     if not msgs:
-        raise _Bad("bad_messages", "field 'messages' is empty")
+        raise BadRecord("bad_messages", "field 'messages' is empty")
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise _Bad("wrong_type", f"messages[{i}] must be an object, got {_type_name(m)}")
+            raise BadRecord("wrong_type", f"messages[{i}] must be an object, got {_type_name(m)}")
         for key in ("role", "content"):
             if key not in m:
-                raise _Bad("missing_field", f"messages[{i}] has no '{key}'")
+                raise BadRecord("missing_field", f"messages[{i}] has no '{key}'")
             if not isinstance(m[key], str):
-                raise _Bad("wrong_type", f"messages[{i}].{key} must be a string, got {_type_name(m[key])}")
+                raise BadRecord("wrong_type", f"messages[{i}].{key} must be a string, got {_type_name(m[key])}")
         if m["role"] not in ROLES:
-            raise _Bad("bad_messages", f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
+            raise BadRecord("bad_messages", f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
     if msgs[-1]["role"] != "assistant":
-        raise _Bad("bad_messages", f"the last message must be the assistant answer, got role {msgs[-1]['role']!r}")
+        raise BadRecord(
+            "bad_messages", f"the last message must be the assistant answer, got role {msgs[-1]['role']!r}"
+        )
     return obj
 
 
@@ -142,33 +147,68 @@ def _lone_surrogate(value, where: str) -> tuple[str, int, str] | None:
     return None
 
 
-def _parse_line(raw: bytes, fmt: str) -> tuple[dict, str]:
+def _parse_line(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _Bad(
+        raise BadRecord(
             "non_utf8", f"bytes are not valid UTF-8 at byte {e.start} ({raw[e.start : e.start + 4]!r})"
         ) from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise _Bad("invalid_json", f"malformed JSON: {e.msg} at column {e.colno}") from None
+        raise BadRecord("invalid_json", f"malformed JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(obj, dict):
-        raise _Bad("not_an_object", f"each line must be a JSON object, got {_type_name(obj)}")
+        raise BadRecord("not_an_object", f"each line must be a JSON object, got {_type_name(obj)}")
     found = _lone_surrogate(obj, "") if _SURROGATE_ESCAPE.search(raw) else None
     if found:
         name, pos, char = found
-        raise _Bad(
+        raise BadRecord(
             "invalid_unicode",
             f"field '{name}' holds a lone surrogate \\u{ord(char):04x} at character {pos} "
             "(an unpaired UTF-16 escape: valid JSON, not text); fix the escape or remove the character",
         )
+    return obj
+
+
+def check_sft(obj: dict, fmt: str) -> tuple[dict, str]:
+    """An SFT record checked against the file's format (``auto`` takes the record's own): (record, its format)."""
     this = record_format(obj)
     if this is None:
-        raise _Bad("missing_field", "record has neither 'messages' (chat) nor 'instruction'/'output' (alpaca)")
+        raise BadRecord("missing_field", "record has neither 'messages' (chat) nor 'instruction'/'output' (alpaca)")
     if fmt != "auto" and this != fmt:
-        raise _Bad("format_mismatch", f"record is {this} but the file's format is {fmt}")
+        raise BadRecord("format_mismatch", f"record is {this} but the file's format is {fmt}")
     return (check_chat(obj) if this == "chat" else check_alpaca(obj)), this
+
+
+def _check_sft_answer(obj: dict, this: str) -> None:
+    if not answer_text(obj):
+        field_name = "the last message's content" if this == "chat" else "field 'output'"
+        raise BadRecord(
+            "empty_answer",
+            f"{field_name} is empty after cleaning (only whitespace, zero-width or "
+            "control characters): the sample would teach nothing but EOS",
+        )
+
+
+@dataclass(frozen=True)
+class RecordSchema:
+    """How one kind of JSONL record is checked and cleaned; `read_records` does the rest (lines, errors, counts).
+
+    Attributes:
+        check: ``(object, file format) -> (record, this record's format)``; raises `BadRecord`.
+        clean: ``(record, stats) -> cleaned record`` (`clean_record` for SFT records).
+        after_clean: checks that need the cleaned text (an empty answer); raises `BadRecord`.
+        what: the records the file should hold, for the message on a missing file.
+    """
+
+    check: Callable[[dict, str], tuple[dict, str]]
+    clean: Callable[[dict, CleaningStats], dict]
+    after_clean: Callable[[dict, str], None]
+    what: str
+
+
+SFT_RECORDS = RecordSchema(check_sft, clean_record, _check_sft_answer, "alpaca or chat/messages records")
 
 
 def read_records(
@@ -179,6 +219,7 @@ def read_records(
     on_bad_record: str = "error",
     clean: bool = True,
     skip_hint: str = "set data.on_bad_record: skip to skip and count bad lines",
+    schema: RecordSchema = SFT_RECORDS,
 ) -> ReadResult:
     """Read, check and clean one JSONL file.
 
@@ -190,6 +231,7 @@ def read_records(
         on_bad_record: ``"error"`` stops at the first bad line; ``"skip"`` skips and counts it.
         clean: remove zero-width/control characters and NFC-normalise (see ``cleaning.py``).
         skip_hint: how the caller's user skips bad lines, in the error (the audit CLI's flag is ``--skip-bad``).
+        schema: what a record is: SFT records (the default) or preference pairs (``pairs.PAIR_RECORDS``).
 
     Raises:
         DataError: missing file, empty file, no good record left, or (with ``"error"``) a bad line,
@@ -205,7 +247,7 @@ def read_records(
         what = "is a directory, not a file" if p.is_dir() else "does not exist"
         raise DataError(
             f"{config_field}: {path_s} {what} (working directory {Path.cwd()}); "
-            f"set {config_field} to a JSONL file (alpaca or chat/messages records)"
+            f"set {config_field} to a JSONL file ({schema.what})"
         )
     raw = p.read_bytes()
     if raw.startswith(b"\xef\xbb\xbf"):
@@ -222,17 +264,11 @@ def read_records(
             continue
         result.n_lines += 1
         try:
-            obj, this = _parse_line(line, fmt)
+            obj, this = schema.check(_parse_line(line), fmt)
             if clean:
-                obj = clean_record(obj, result.cleaning)
-            if not answer_text(obj):
-                field_name = "the last message's content" if this == "chat" else "field 'output'"
-                raise _Bad(
-                    "empty_answer",
-                    f"{field_name} is empty after cleaning (only whitespace, zero-width or "
-                    "control characters): the sample would teach nothing but EOS",
-                )
-        except _Bad as bad:
+                obj = schema.clean(obj, result.cleaning)
+            schema.after_clean(obj, this)
+        except BadRecord as bad:
             msg = f"{path_s}:{lineno}: {bad}"
             if on_bad_record != "skip":
                 raise DataError(f"{msg}\n  fix the line, or {skip_hint}") from None

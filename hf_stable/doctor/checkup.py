@@ -19,6 +19,7 @@ from hf_stable.doctor.memory_estimate import memory_findings
 from hf_stable.doctor.probes import meta_model, meta_model_facts, meta_model_from_config, model_facts, shipped_shape
 from hf_stable.doctor.report import render_text, save_report
 from hf_stable.doctor.settings import doctor_settings, resolve_settings
+from hf_stable.doctor.stage_checks import stage_findings
 from hf_stable.doctor.untrained_tokens import CHECK as UNTRAINED_CHECK
 from hf_stable.doctor.untrained_tokens import check_untrained_tokens, untrained_findings
 from hf_stable.errors import HfStableError
@@ -212,9 +213,11 @@ def run_doctor(
         facts = model_facts(model) if model is not None else meta_model_facts(cfg, base, meta) if meta else None
     except Exception as e:
         report.add(_crash("hazards.model", "the model config cannot be read", e))
-    if data is None and tokenizer is None:
+    if cfg.stage != "sft":  # dpo / grpo: their data, reference, rewards, generation lengths (`stage_checks`)
+        report.add(stage_findings(cfg, tokenizer, facts))
+    elif data is None and tokenizer is None:
         report.add(data_file_findings(cfg))  # what can be checked without a tokenizer: the files and their lines
-    if data is None and tokenizer is not None:
+    if data is None and tokenizer is not None and cfg.stage == "sft":
         try:
             from hf_stable.data import build_data
 
@@ -265,7 +268,7 @@ def run_doctor(
     except Exception as e:
         report.add(_crash("hazards.memory_estimate", "the memory estimate failed", e))
 
-    if dry_run and doctor.dry_run:
+    if dry_run and doctor.dry_run and cfg.stage == "sft":  # the dry run trains SFT steps
         _dry_run(report, cfg, s, doctor, base, model, data)
     report.seconds = time.time() - started
     if output_dir is not None and is_main_process():

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_stable.doctor.stage_checks import stage_memory_parts
 from hf_stable.optim.bnb import STATE_TENSORS as BNB_STATE_TENSORS
 from hf_stable.optim.bnb import state_bytes as bnb_state_bytes
 
@@ -146,7 +147,8 @@ def estimate_memory(model, cfg, s, *, meta: bool = False) -> MemoryEstimate:
 
     quant, other, trainable, largest, numels = _weights(model, cfg, meta)
     act_bytes = 2 if (s.bf16 or s.fp16) else (_DTYPE_BYTES.get(q.compute_dtype, 4) if q.enabled else 4)
-    tokens = max(1, s.micro_batch) * int(cfg.data.max_length)
+    # DPO: each micro-batch row is a chosen and a rejected sequence, run through the model together
+    tokens = max(1, s.micro_batch) * int(cfg.data.max_length) * (2 if getattr(cfg, "stage", "sft") == "dpo" else 1)
     lora = cfg.lora.enabled
     per_layer = (
         tokens
@@ -172,6 +174,10 @@ def estimate_memory(model, cfg, s, *, meta: bool = False) -> MemoryEstimate:
         "activations": activations,
         "logits": _logits_bytes(model, cfg, tokens, vocab, h, act_bytes),
     }
+    extra = stage_memory_parts(
+        cfg, s, h=h, layers=layers, kv_heads=kv, head_dim=head_dim, weight_bytes=trainable if lora else quant + other
+    )
+    parts.update(extra)
     if q.enabled:
         parts["unquantized weights (embeddings, lm_head, norms)"] = other
         parts["dequantized weight (transient)"] = 2 * largest * _DTYPE_BYTES.get(q.compute_dtype, 2)
@@ -182,6 +188,11 @@ def estimate_memory(model, cfg, s, *, meta: bool = False) -> MemoryEstimate:
         if (s.bf16 or s.fp16) and fp32_head:  # autocast's 16-bit copy of the fp32 head, kept for the backward
             parts["lm_head autocast copy"] = vocab * h * 2
     est = MemoryEstimate({k: int(v) for k, v in parts.items() if v})
+    if extra:
+        est.notes.append(
+            f"stage {cfg.stage}: {', '.join(extra)} counted"
+            + (", chosen + rejected rows" if cfg.stage == "dpo" else "")
+        )
     if meta:
         est.notes.append("weights predicted from the model config (meta device)")
     if _chunked_loss(model, cfg):
@@ -193,7 +204,7 @@ def estimate_memory(model, cfg, s, *, meta: bool = False) -> MemoryEstimate:
 def _chunked_loss(model, cfg) -> bool:
     """Whether training steps will take the chunked loss (`training_loss.chunked` and a model it fits)."""
     loss = getattr(cfg, "training_loss", None)
-    if loss is None or not loss.chunked:
+    if loss is None or not loss.chunked or getattr(cfg, "stage", "sft") != "sft":  # TRL's stages: their own loss
         return False
     from hf_stable.loss import causal_lm_of, unsupported_reason
 

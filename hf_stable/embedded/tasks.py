@@ -289,3 +289,34 @@ def instruction_dataset(seed: int, n_train: int = 2000, n_eval: int = 200) -> tu
             ex["output"] += "\n"
         train_rows.append({k: ex[k] for k in ("instruction", "input", "output", "family", "lang")})
     return train_rows, eval_rows
+
+
+GRPO_FAMILIES = ("arithmetic", "reversal", "unit_conversion")
+
+
+def grpo_prompts(seed: int, n: int = 600, n_eval: int = 200) -> list[dict]:
+    """Prompts for the GRPO stage (`embedded:grpo`): clean records of the families with computed answers, each with
+    the fields the rewards read (`answer`, `family`); never one of the held-out eval prompts of
+    `instruction_dataset(seed, ..., n_eval)`, so exact match on the eval set stays held out."""
+    _, eval_rows = instruction_dataset(seed, n_train=0, n_eval=n_eval)
+    seen = {(r["instruction"], r["input"]) for r in eval_rows}
+    rng = random.Random(seed + 1)
+    rows: list[dict] = []
+    while len(rows) < n:
+        family = GRPO_FAMILIES[len(rows) % len(GRPO_FAMILIES)]  # balanced families
+        lang = "en" if rng.random() < 0.6 else "zh"
+        ex = FAMILIES[family](rng, lang)
+        key = (ex["instruction"], ex["input"])
+        if key in seen:
+            continue
+        seen.add(key)
+        rows.append(
+            {
+                "instruction": ex["instruction"],
+                "input": ex["input"],
+                "answer": ex["output"],
+                "family": family,
+                "lang": lang,
+            }
+        )
+    return rows

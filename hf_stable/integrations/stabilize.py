@@ -16,6 +16,8 @@ One line for any `Trainer` subclass (`Trainer`, TRL's `SFTTrainer`, `DPOTrainer`
   (a reward function returning inf/NaN, no learning signal): docs/post-training.md;
 * for GRPO / RLOO, a step whose log-probs are non-finite or whose importance ratio explodes is skipped on every rank
   (`rl_damage`, the skip guard's ``damaged`` rule).
+* for a DPO / KTO trainer, every batch carries its records' dataset indices (`forensics.pairs`) and a skipped step
+  names them (`PairForensics`: a ``step_pairs`` event and ``skipped_pairs.jsonl``; ``file:line`` with `records`).
 
 Calling it again is a no-op; a trainer that already holds hf_stable's callbacks (``callbacks=build_callbacks(...)``)
 keeps them and is only bound. Returns the trainer.
@@ -36,11 +38,13 @@ from hf_stable.callbacks.builder import build_callbacks
 from hf_stable.callbacks.guards import SkipGuard
 from hf_stable.callbacks.monitors.post_train_monitor import PostTrainMonitor
 from hf_stable.callbacks.ordering import order_for_reporting
+from hf_stable.callbacks.pair_forensics import PairForensics
 from hf_stable.compat import attn_implementation
 from hf_stable.config import RunConfig
 from hf_stable.config.attention import ATTN_IMPLEMENTATION
 from hf_stable.core.engine import refuse_fsdp1
 from hf_stable.core.step_tap import StepTap
+from hf_stable.forensics.pairs import tag_records
 from hf_stable.integrations import rl_damage
 from hf_stable.integrations.trainer_families import TrainerFamily, family_of
 from hf_stable.trainer import StableTrainer
@@ -62,12 +66,15 @@ def stable_class(cls: type) -> type:
     return made
 
 
-def stabilize(trainer: Trainer, cfg: RunConfig | None = None) -> Trainer:
+def stabilize(trainer: Trainer, cfg: RunConfig | None = None, records=None) -> Trainer:
     """Attach hf_stable to a built `trainer` (any `transformers.Trainer` subclass); idempotent.
 
     Args:
         trainer: the trainer, built and not yet trained.
         cfg: a `RunConfig` (default `RunConfig()`); its guard rules are adapted to the trainer's objective.
+        records: for a DPO / KTO trainer, where its train dataset's records came from, so a skipped step names them
+            by ``file:line``: the JSONL file it was read from (record ``i`` is its ``i``-th non-empty line) or one
+            ``where`` string per record. Without it a skipped step names the records by their dataset index.
 
     Returns:
         The same trainer object.
@@ -85,6 +92,7 @@ def stabilize(trainer: Trainer, cfg: RunConfig | None = None) -> Trainer:
     cfg = family.configure(cfg if cfg is not None else _default_config(trainer))
     had_stable = isinstance(trainer, StableTrainer)
     trainer.__class__ = stable_class(type(trainer))
+    tagged = family.name == "preference" and tag_records(trainer)  # before _stable_setup asks for the ids
     # a PostTrainMonitor of the user's (its thresholds) is bound below; it does not stand for build_callbacks
     if not any(_ours(cb) and not isinstance(cb, PostTrainMonitor) for cb in trainer.callback_handler.callbacks):
         for callback in build_callbacks(cfg, trainer.args):
@@ -98,6 +106,8 @@ def stabilize(trainer: Trainer, cfg: RunConfig | None = None) -> Trainer:
     _read_signals(trainer, family)
     if family.signals == "generation":  # GRPO / RLOO: a step with damaged log-probs is skipped (`rl_damage`)
         rl_damage.watch(trainer)
+    if tagged:
+        _name_pairs(trainer, records)
     trainer._hf_stable_family = family
     return trainer
 
@@ -132,6 +142,15 @@ def _read_signals(trainer: Trainer, family: TrainerFamily) -> None:
             if isinstance(cb, SkipGuard):
                 cb.no_signal_warn_steps = None
                 cb.skip_detail = monitor.skipped_rollouts  # a skipped step names its prompts and completions
+
+
+def _name_pairs(trainer: Trainer, records) -> None:
+    """A `PairForensics` listening to the run's `SkipGuard`: a skipped DPO / KTO step names its records."""
+    skip = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SkipGuard)), None)
+    if skip is None or not skip.enabled:
+        return
+    trainer.add_callback(PairForensics(trainer, records).attach(skip))
+    order_for_reporting(trainer)
 
 
 def _ours(callback) -> bool:

@@ -41,17 +41,28 @@ def guarded_eps(cfg: OptimConfig, hp: BaseHyperparameters) -> float:
     return cfg.fp16_eps_min
 
 
-def _adamw_kernel(cfg: OptimConfig, groups: list[dict]) -> dict:
+def adamw_kernel(cfg: OptimConfig, groups: list[dict]) -> dict:
+    """The AdamW kernel keyword for `groups`: `{"fused": True}`, `{"foreach": True}` or `{"foreach": False}`.
+
+    auto: fused (one kernel per device and dtype for every group's update, and no host sync under a GradScaler)
+    when every parameter is a floating-point tensor on a device type torch has fused kernels for (CPU since torch
+    2.4, CUDA) and, when CUDA is available, CUDA is one too (the Trainer moves the model there after we build;
+    parameters keep their identity when moved); foreach otherwise (per-device multi-tensor kernels).
+    """
     if cfg.adamw_impl == "fused":
         return {"fused": True}
     if cfg.adamw_impl == "foreach":
         return {"foreach": True}
     if cfg.adamw_impl == "for_loop":
         return {"foreach": False}
-    # auto: fused when the run will be on CUDA (the Trainer moves the model after we build, and parameters keep
-    # their identity when moved). Elsewhere PyTorch's own default is already the right choice.
-    floats = all(p.is_floating_point() for g in groups for p in g["params"])
-    return {"fused": True} if torch.cuda.is_available() and floats else {}
+    from hf_stable.compat import fused_optimizer_device_types
+
+    supported = fused_optimizer_device_types()
+    params = [p for g in groups for p in g["params"]]
+    devices = {p.device.type for p in params} | ({"cuda"} if torch.cuda.is_available() else set())
+    if all(p.is_floating_point() for p in params) and devices <= set(supported):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 def build_optimizer(
@@ -109,7 +120,7 @@ def optimizer_over_groups(
             betas=hp.betas,
             eps=guarded_eps(cfg, hp),
             weight_decay=hp.weight_decay,
-            **_adamw_kernel(cfg, groups),
+            **adamw_kernel(cfg, groups),
         )
     if name == "lion":
         from lion_pytorch import Lion

@@ -21,7 +21,7 @@ from hf_stable.checkpoints import list_checkpoints
 from hf_stable.core.events import EVENTS_FILE, read_events
 from hf_stable.errors import HfStableError
 from hf_stable.logging import get_logger
-from hf_stable.reporting import stability_plots
+from hf_stable.reporting import posttrain_plots, stability_plots
 from hf_stable.reporting.suspect_data import plot_bad_step_losses, suspect_markdown
 
 logger = get_logger("report")
@@ -154,6 +154,8 @@ def _build(output_dir: Path, history: list[dict], events: list[dict], link_prefi
             ),
             ("memory", stability_plots.plot_memory, (history, folder / "memory.png")),
             ("per-sample loss of bad steps", plot_bad_step_losses, (events, folder / "bad_step_samples.png")),
+            ("RL signals", posttrain_plots.plot_rl, (history, events, folder / "posttrain_rl.png")),
+            ("preference signals", posttrain_plots.plot_preference, (history, events, folder / "posttrain_pref.png")),
         ]
         drawn, failed = [], []
         for title, draw, draw_args in wanted:

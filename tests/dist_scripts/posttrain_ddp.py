@@ -5,7 +5,7 @@ Launched by tests/test_posttrain_ddp.py as `torchrun --nproc_per_node 2 posttrai
 step 3 a NaN forward (DDP's all-reduce spreads it to both ranks' gradients), step 5 one gradient NaN *after* the
 all-reduce (only the agreed decision keeps rank 0 from stepping); GRPO, step 6: the importance ratios x22026 on rank 1
 (its `damaged` counts ride in the gathered statistics). Both ranks must skip steps 3 and 5 (and 6), write the same
-events and end with bitwise identical finite weights. `POSTTRAIN_DDP_ENGINE=zero2` runs under DeepSpeed ZeRO-2 (the
+events (a skipped DPO step names both ranks' pairs, gathered) and end with bitwise identical finite weights. `POSTTRAIN_DDP_ENGINE=zero2` runs under DeepSpeed ZeRO-2 (the
 forward fault only), `POSTTRAIN_DDP_KINDS` picks the trainers.
 """
 
@@ -52,6 +52,7 @@ def run(out: Path, kind: str, engine: str) -> None:
             s for s in (3, 5, 6) if all(torch.equal(faults.weights[s - 1][k], v) for k, v in faults.weights[s].items())
         ],
         "events": [e["kind"] for c in ours for e in c.events if e["kind"] != "objective_not_judged"],
+        "pairs": {e["step"]: e["records"] for c in ours for e in c.events if e["kind"] == "step_pairs"},
     }
     torch.save(faults.weights[7], out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(result))

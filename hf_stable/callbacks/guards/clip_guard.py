@@ -4,8 +4,8 @@ It replaces the Trainer's single global clip (the recipe sets `TrainingArguments
 the gradients are clipped twice, so the guard warns - and says whether the monitors' statistics are pre-clip, as
 under `StableTrainer`, or post-clip, as under the stock Trainer). It reuses the
 norms `GradStats` already computed for the monitors — one gradient computation per step — and decides the
-per-group coefficients on the host from that single transfer; applying them is one `_foreach_mul_` per clipped
-group on device, so clipping adds no host sync.
+per-group coefficients on the host from that single transfer; applying them is one `_foreach_mul_` per distinct
+factor on device, so clipping adds no host sync.
 
 Modes:
 
@@ -128,15 +128,15 @@ class ClipGuard(StabilityCallback):
                 coefs = {g: c * cap for g, c in coefs.items()}
         return coefs
 
-    def _apply(self, dev, coefs: dict[str, float], engine: StepEngine) -> None:
-        by_group: dict[int, list[torch.Tensor]] = {}
-        for g, gi in zip(engine.local_grads(dev.params), dev.group_ids, strict=False):
-            if g is not None and g.numel():
-                by_group.setdefault(gi, []).append(g)
-        for gi, grads in by_group.items():
-            c = coefs.get(dev.groups[gi], 1.0)
-            if c < 1.0:
-                foreach_mul_(grads, c)
+    def _apply(self, dev, per_param: list[float], engine: StepEngine) -> None:
+        """Scale each gradient by its group's factor: one foreach call per distinct factor and device, the factor a
+        0-d tensor (on CPU torch's foreach multiply by a Python number is ~4x slower than by a tensor; same bits)."""
+        by_factor: dict[tuple, list[torch.Tensor]] = {}
+        for g, c in zip(engine.local_grads(dev.params), per_param, strict=False):
+            if c < 1.0 and g is not None and g.numel():
+                by_factor.setdefault((c, g.device), []).append(g)
+        for (c, device), grads in by_factor.items():
+            foreach_mul_(grads, torch.tensor(c, dtype=torch.float32, device=device))
 
     def _agc(self, dev, engine: StepEngine) -> None:
         with torch.no_grad():
@@ -193,12 +193,12 @@ class ClipGuard(StabilityCallback):
             # our own edit: the step's statistics stay pre-clip (a later max |g| is divided by the group's factor;
             # AGC's per-row factors are not undone)
             scale = None
+            per_param = [coefs.get(dev.groups[gi], 1.0) for gi in dev.group_ids]
             if clipped:
-                per_param = [coefs.get(dev.groups[gi], 1.0) for gi in dev.group_ids]
                 scale = torch.tensor(per_param, dtype=torch.float32, device=dev.param_norms.device)
             engine = stats.engine
             with stats.edited(state.global_step, scale):
-                self._apply(dev, coefs, engine)
+                self._apply(dev, per_param, engine)
                 if self.agc_lambda is not None and engine.whole_rows:
                     self._agc(dev, engine)
                 elif self.agc_lambda is not None and not self._agc_said:

@@ -44,7 +44,8 @@ class AttentionMonitorCallback(StabilityCallback):
         config: the `AttentionConfig` section (default `AttentionConfig()`): `monitor_interval` (sample every N
             optimizer steps and step 1; 0 disables), `logit_alert_threshold` (`attn_logit_high` event when a layer's
             max goes above it), `logit_growth_checks` consecutive samples each above the previous make an
-            `attn_logit_growth` event provided the last is at least `logit_growth_ratio` x the first.
+            `attn_logit_growth` event provided the last is at least `logit_growth_ratio` x the first and past the
+            level `logit_growth_min_share` x the alert level (the event's `threshold`).
         probe: the probe to arm (defaults to the process-wide one the attention function feeds).
         enabled: False makes the callback a no-op.
         **overrides: `AttentionConfig` fields to change, e.g. `AttentionMonitorCallback(monitor_interval=10)`.
@@ -156,11 +157,12 @@ class AttentionMonitorCallback(StabilityCallback):
                         step,
                         "attn_logit_growth",
                         f"layer {layer} max attention logit rose over {len(history)} consecutive samples, "
-                        f"{first:.4g} -> {value:.4g} (x{value / first:.2f}), approaching the level {self.level:g} "
-                        "where softmax saturates",
+                        f"{first:.4g} -> {value:.4g} (x{value / first:.2f}), past the level {self.growth_floor:g} "
+                        f"({self.growth_min_share:g} of {self.level:g}, where softmax saturates)",
                         group=f"layer_{layer}",
                         value=value,
-                        threshold=self.growth_ratio,
+                        threshold=self.growth_floor,
+                        growth_ratio=self.growth_ratio,
                     )
                     history.clear()
                 else:

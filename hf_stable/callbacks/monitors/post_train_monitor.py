@@ -16,7 +16,9 @@ appended since the last step, floats it already took off the device; no forward,
   got the same reward, hence advantage 0) at or above `zero_std_frac` for `zero_std_batches` generation batches in a
   row covering at least `zero_std_groups` groups (`no_learning_signal`, one warning per stretch, with what to change).
   A sparse reward that still learns now and then breaks the stretch: on the tiny test policy a 0/1 reward had at
-  most 9 all-zero groups in a row.
+  most 9 all-zero groups in a row;
+* judges a DPO / KTO run's chosen log-probs, margins and reward accuracy against its own first window
+  (`PreferenceRules`: `likelihood_displacement`, `margin_runaway`, with what to change).
 
 Every rank reads the same numbers (TRL gathers them before logging), so the events agree without a collective.
 `hf_stable.stabilize(trainer)` adds and binds it for the trainers whose family reads signals (`trainer_families`).
@@ -30,6 +32,7 @@ import weakref
 from pathlib import Path
 
 from hf_stable.callbacks.base import StabilityCallback
+from hf_stable.callbacks.monitors.preference_rules import PreferenceRules
 from hf_stable.callbacks.monitors.rl_rules import RLRules
 from hf_stable.integrations.trl_signals import GenerationBatch, current_batch, nonfinite_counts, rollout_rows
 
@@ -67,6 +70,7 @@ class PostTrainMonitor(StabilityCallback):
         self._zero = {"batches": 0, "groups": 0, "said": False, "fracs": []}
         self._nonfinite_seen: dict[str, int] = {}  # "<kind>:<function>" -> generation batches with it
         self._since_log: dict[str, list[float]] = {}  # key -> [sum, count] of the values since the last log line
+        self.preference = PreferenceRules()  # DPO / KTO margins and log-probs against the run's own level
 
     def bind(self, trainer, family) -> None:
         """Read `trainer`'s signals as its `family` says (`TrainerFamily.signal_reader`)."""
@@ -80,17 +84,26 @@ class PostTrainMonitor(StabilityCallback):
             "num_generations": getattr(trainer, "num_generations", None),
             "temperature": getattr(trainer.args, "temperature", None),
         }
+        self.preference.hints = {
+            "learning_rate": trainer.args.learning_rate,
+            "beta": getattr(trainer.args, "beta", None),
+        }
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        rl = self.rl_rules.state_dict() if self.rl_rules is not None else None
-        return {"zero": dict(self._zero), "nonfinite_seen": dict(self._nonfinite_seen), "rl_rules": rl}
+        return {
+            "zero": dict(self._zero),
+            "nonfinite_seen": dict(self._nonfinite_seen),
+            "rl_rules": self.rl_rules.state_dict() if self.rl_rules is not None else None,
+            "preference": self.preference.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._zero.update(state.get("zero", {}))
         self._nonfinite_seen = dict(state.get("nonfinite_seen", {}))
         if self.rl_rules is not None and state.get("rl_rules"):
             self.rl_rules.load_state_dict(state["rl_rules"])
+        self.preference.load_state_dict(state.get("preference", {}))
 
     # --- decisions (pure: testable on constructed batches) -------------------------------------
     def observe_batch(self, step: int, batch: GenerationBatch) -> list[dict]:
@@ -240,3 +253,5 @@ class PostTrainMonitor(StabilityCallback):
             self.observe_batch(step, batch)
         if self.rl_rules is not None:
             self._judge_rl(step, signals.values)
+        for kind, message, fields in self.preference.observe(step, signals.values):
+            self.event(step, kind, message, severity="warning", **fields)
