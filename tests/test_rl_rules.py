@@ -22,6 +22,7 @@ HEALTHY = {  # a healthier-looking run's levels, with noise, for the faults to d
     "completions/mean_length": 40.0,
     "completions/clipped_ratio": 0.05,
     "sampling/importance_sampling_ratio/max": 1.8,
+    "reward": 0.5,
 }
 FAULTS = {  # rule -> (key, the value it drifts to)
     "entropy_collapse": ("entropy", 0.05),
@@ -66,6 +67,13 @@ def test_each_rule_fires_once_on_its_fault_with_the_numbers(kind):
     assert hit["early"] == pytest.approx(HEALTHY[key], rel=0.1) and hit["now"] == pytest.approx(bad)
     assert f"{hit['now']:.4g}" in hit["message"] and f"{hit['early']:.4g}" in hit["message"]
     assert "What to do" in hit["message"]
+
+
+def test_longer_completions_that_earn_more_are_no_runaway():
+    series = _healthy(30)
+    series["completions/mean_length"] = series["completions/mean_length"][:20] + [150.0] * 10
+    series["reward"] = series["reward"][:20] + [0.9] * 10
+    assert _run(RLRules(), series) == []
 
 
 def test_a_rule_re_arms_when_the_signal_is_back_and_its_state_round_trips():

@@ -67,3 +67,13 @@ def test_the_model_card_names_the_stage_chain(stages):
     card = (grpo / "README.md").read_text(encoding="utf-8")
     assert "**Stage chain:** embedded:tiny-llama → SFT → GRPO" in card
     assert card.startswith("---\n") and card.index("Stage chain") > card.index("\n---\n")
+
+
+def test_a_clean_grpo_stage_says_nothing_alarming(stages):
+    """The healthy stage run raises no warning-level event (issue 40: GRPO runs used to open with one)."""
+    from hf_stable.core.events import read_events
+
+    _, out, proc = stages
+    loud = [(e["step"], e["kind"]) for e in read_events(out) if e.get("severity") in ("warning", "error", "critical")]
+    assert loud == []
+    assert "[hf_stable] WARNING" not in proc.stdout + proc.stderr  # nor on the console the user reads

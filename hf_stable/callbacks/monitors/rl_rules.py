@@ -8,11 +8,12 @@ rank, so the events agree without a collective.
 
 * ``entropy_collapse``: the policy's token entropy fell to `collapse_frac` of its early level (and by at least
   `entropy_floor` nats): the policy is becoming deterministic, exploration stops and rewards plateau.
-* ``entropy_blowup``: the entropy rose to `blowup_ratio` x its early level (and by `entropy_floor` nats): the policy
+* ``entropy_blowup``: the entropy rose to `blowup_ratio` x its early level (and by `blowup_floor` nats): the policy
   is turning towards uniform noise (a too-high LR, a damaged update).
 * ``kl_blowup``: the KL to the reference is above `kl_max` and `kl_ratio` x its early level.
 * ``length_runaway``: the mean completion length grew to `length_ratio` x its early level (and by `length_floor`
-  tokens).
+  tokens) while the reward did not rise (its level now at most its early level + 5 % of its size): longer answers
+  that earn more are what reasoning RL is for, longer answers that earn nothing are padding.
 * ``completions_truncated``: TRL's ``completions/clipped_ratio`` (completions cut at ``max_completion_length``)
   reached `truncated_frac`, at least `truncated_rise` above its early level (a run truncated from its first step
   is its own level, not an event).
@@ -94,14 +95,15 @@ RULES = (
 
 class RLRules:
     """The rules above over the values TRL appended each step (see the module docstring); defaults: collapse to
-    0.3 x (and 0.2 nats), blow-up to 1.5 x (0.2 nats), KL > 1.0 and 10 x, length 2 x (and 16 tokens), truncated
-    >= 0.5 (0.3 above the early level), importance ratio > 100 and 10 x."""
+    0.3 x (and 0.2 nats), blow-up to 2 x (and 1 nat), KL > 1.0 and 10 x, length 2 x (and 16 tokens) with a flat
+    reward, truncated >= 0.5 (0.3 above the early level), importance ratio > 100 and 10 x."""
 
     def __init__(
         self,
         collapse_frac: float = 0.3,
-        blowup_ratio: float = 1.5,
+        blowup_ratio: float = 2.0,
         entropy_floor: float = 0.2,
+        blowup_floor: float = 1.0,
         kl_max: float = 1.0,
         kl_ratio: float = 10.0,
         length_ratio: float = 2.0,
@@ -111,7 +113,8 @@ class RLRules:
         ratio_max: float = 100.0,
         ratio_rise: float = 10.0,
     ):
-        self.collapse_frac, self.blowup_ratio, self.entropy_floor = collapse_frac, blowup_ratio, entropy_floor
+        self.collapse_frac, self.entropy_floor = collapse_frac, entropy_floor
+        self.blowup_ratio, self.blowup_floor = blowup_ratio, blowup_floor
         self.kl_max, self.kl_ratio = kl_max, kl_ratio
         self.length_ratio, self.length_floor = length_ratio, length_floor
         self.truncated_frac, self.truncated_rise = truncated_frac, truncated_rise
@@ -134,7 +137,7 @@ class RLRules:
         if kind == "entropy_collapse":
             return True, min(early * self.collapse_frac, early - self.entropy_floor)
         if kind == "entropy_blowup":
-            return False, max(early * self.blowup_ratio, early + self.entropy_floor)
+            return False, max(early * self.blowup_ratio, early + self.blowup_floor)
         if kind == "kl_blowup":
             return False, max(self.kl_max, early * self.kl_ratio)
         if kind == "length_runaway":
@@ -143,11 +146,18 @@ class RLRules:
             return False, max(self.truncated_frac, early + self.truncated_rise)
         return False, max(self.ratio_max, early * self.ratio_rise)
 
+    def _reward_rose(self) -> bool:
+        s = self.series.get("reward")
+        if s is None or len(s["early"]) < EARLY or len(s["recent"]) < RECENT:
+            return False
+        early = median(s["early"])
+        return median(s["recent"]) > early + 0.05 * abs(early)
+
     def observe(self, values: dict[str, float]) -> list[dict]:
         """Feed one step's values (key -> the step's mean; keys absent this step are left alone). Returns the rules
         that fire now: dicts with ``kind``, ``key``, ``early``, ``now``, ``bar`` and a ``message``."""
         for key, v in values.items():
-            if any(r.key == key for r in RULES) and v is not None and math.isfinite(v):
+            if (key == "reward" or any(r.key == key for r in RULES)) and v is not None and math.isfinite(v):
                 s = self.series.setdefault(key, {"early": [], "recent": []})
                 if len(s["early"]) < EARLY:
                     s["early"].append(v)
@@ -160,6 +170,8 @@ class RLRules:
             early, now = median(s["early"]), median(s["recent"])
             below, bar = self._bar(rule.kind, early)
             bad = now < bar if below else now > bar
+            if bad and rule.kind == "length_runaway":  # padding only while the reward does not rise with it
+                bad = not self._reward_rose()
             if not bad:
                 self.said.discard(rule.kind)
                 continue
