@@ -214,7 +214,11 @@ def run_doctor(
         report.add(_crash("hazards.model", "the model config cannot be read", e))
     if data is None and tokenizer is None:
         report.add(data_file_findings(cfg))  # what can be checked without a tokenizer: the files and their lines
-    if data is None and tokenizer is not None:
+    if data is None and tokenizer is not None and cfg.stage != "sft":  # prompts, rewards, lengths: not SFT's data
+        from hf_stable.stages.doctor import stage_findings
+
+        report.add(stage_findings(cfg, tokenizer))
+    elif data is None and tokenizer is not None:
         try:
             from hf_stable.data import build_data
 
@@ -265,7 +269,7 @@ def run_doctor(
     except Exception as e:
         report.add(_crash("hazards.memory_estimate", "the memory estimate failed", e))
 
-    if dry_run and doctor.dry_run:
+    if dry_run and doctor.dry_run and cfg.stage == "sft":
         _dry_run(report, cfg, s, doctor, base, model, data)
     report.seconds = time.time() - started
     if output_dir is not None and is_main_process():
