@@ -41,7 +41,7 @@ def run(args: list[str], log: Path) -> None:
         sys.exit(f"run failed (exit {proc.returncode}): see {log}")
 
 
-def headroom(sft: Path, k: int, temperature: float, n: int) -> None:
+def headroom(sft: Path, k: int, temperature: float, n: int, overrides: list[str]) -> None:
     """What GRPO can reinforce from the SFT adapter: per family, greedy exact match, sampled exact match (k samples
     at `temperature`) and, among the prompts greedy gets wrong, the share with at least one right sample (pass@k)."""
     import torch
@@ -52,7 +52,7 @@ def headroom(sft: Path, k: int, temperature: float, n: int) -> None:
     from hf_stable.stages.prompts import reference
     from hf_stable.stages.start import load_stage_model, resolve_start_from
 
-    cfg = load_config(ROOT / "configs/grpo.yaml", ["--model.start_from", str(sft)])
+    cfg = load_config(ROOT / "configs/grpo.yaml", ["--model.start_from", str(sft), *overrides])
     args = SimpleNamespace(gradient_checkpointing=False, seed=0)
     model, tok, _ = load_stage_model(cfg, args, resolve_start_from(str(sft)))
     model.eval()
@@ -101,19 +101,22 @@ def main() -> None:
     parser.add_argument("--headroom", type=int, default=0, metavar="K", help="only measure pass@K of the SFT adapter")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of --headroom")
     opts = parser.parse_args()
+    overrides = []
+    for item in opts.set:
+        key, _, value = item.partition("=")
+        overrides += [f"--{key}", value]
     if opts.headroom:
-        headroom(ROOT / opts.sft, opts.headroom, opts.temperature, 200)
+        headroom(ROOT / opts.sft, opts.headroom, opts.temperature, 200, overrides)
         return
     out = ROOT / opts.out
     out.mkdir(parents=True, exist_ok=True)
     sft = ROOT / opts.sft
     if not (sft / "adapter_config.json").is_file():
         print(f"no SFT adapter in {sft}: running the default recipe first", flush=True)
-        run(["--training.output_dir", str(sft)], out / "sft.log")
-    overrides = []
-    for item in opts.set:
-        key, _, value = item.partition("=")
-        overrides += [f"--{key}", value]
+        model_args = [
+            a for i, a in enumerate(overrides) if a.startswith("--model.") or overrides[i - 1].startswith("--model.")
+        ]
+        run(["--training.output_dir", str(sft), *model_args], out / "sft.log")
     rows = []
     for seed in [int(s) for s in opts.seeds.split(",")]:
         run_dir = out / f"{opts.label}-seed{seed}"
