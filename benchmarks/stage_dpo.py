@@ -45,6 +45,8 @@ VARIANTS = {
         "1e-4",
     ],
     "mixed_lr1e-4": ["--training.learning_rate", "1e-4"],
+    "mixed_lr3e-4_ep3": ["--training.learning_rate", "3e-4", "--training.num_train_epochs", "3"],
+    "mixed_lr5e-4_sft2": ["--training.learning_rate", "5e-4", "--dpo.loss_weights", "[1.0, 2.0]"],
 }
 
 
@@ -128,7 +130,7 @@ def main() -> None:
             after = sft_task_metrics(run["out"], args.exact_match)
             rows.append((pref["before"]["preference_accuracy"], pref["after"]["preference_accuracy"], after, run))
             print(
-                f"{name} seed {seed}: {run['summary']['global_step']} steps, {run['summary']['train_seconds']:.0f}s "
+                f"{name} seed {seed}: {run['summary']['train_steps']} steps, {run['summary']['train_seconds']:.0f}s "
                 f"training; pref acc {rows[-1][0]:.3f} -> {rows[-1][1]:.3f}; chosen logp/token "
                 f"{pref['before']['chosen_logp_per_token']:.3f} -> {pref['after']['chosen_logp_per_token']:.3f}; "
                 f"SFT eval loss {start['eval_loss']:.4f} -> {after['eval_loss']:.4f}; exact match "
