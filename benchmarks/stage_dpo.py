@@ -8,7 +8,9 @@ log-probability) before and after, from the stage's run_summary.json; and what t
 here on the SFT eval set (embedded:eval) with the SFT adapter and with the DPO adapter: the eval loss (token-weighted
 NLL of the supervised answer tokens) and greedy exact match per family. Goal (issue 44): preference accuracy up, SFT
 eval loss within +5 %. Variants are `--key value` overrides of configs/dpo.yaml; `shipped` is the file as it is.
-Last line: ``variant=... pref_acc=B->A sft_eval_loss=B->A (+x%) exact_match=B->A``, one per variant (seed mean).
+Also TRL's reward accuracy after (``rewards/accuracies``: pairs whose implicit reward, the log-ratio to the SFT
+reference, is higher for the chosen answer; 0 before training, where every reward is 0). Last lines:
+``variant=... pref_acc=B->A reward_acc=0->A sft_eval_loss=B->A (+x%) exact_match=B->A``, one per variant (seed mean).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = {
-    "shipped": [],  # configs/dpo.yaml: sigmoid + sft loss, LR 2e-5, 1 epoch
+    "shipped": [],  # configs/dpo.yaml: sigmoid + sft loss, LR 5e-4, 1 epoch
+    "mixed_lr2e-5": ["--training.learning_rate", "2e-5"],
     "sigmoid_lr2e-5": ["--dpo.loss_type", "[sigmoid]", "--dpo.loss_weights", "null"],
     "sigmoid_lr5e-4": [
         "--dpo.loss_type",
@@ -45,6 +48,8 @@ VARIANTS = {
         "1e-4",
     ],
     "mixed_lr1e-4": ["--training.learning_rate", "1e-4"],
+    "mixed_lr3e-4_ep3": ["--training.learning_rate", "3e-4", "--training.num_train_epochs", "3"],
+    "mixed_lr5e-4_sft2": ["--training.learning_rate", "5e-4", "--dpo.loss_weights", "[1.0, 2.0]"],
 }
 
 
@@ -128,8 +133,10 @@ def main() -> None:
             after = sft_task_metrics(run["out"], args.exact_match)
             rows.append((pref["before"]["preference_accuracy"], pref["after"]["preference_accuracy"], after, run))
             print(
-                f"{name} seed {seed}: {run['summary']['global_step']} steps, {run['summary']['train_seconds']:.0f}s "
-                f"training; pref acc {rows[-1][0]:.3f} -> {rows[-1][1]:.3f}; chosen logp/token "
+                f"{name} seed {seed}: {run['summary']['train_steps']} steps, {run['summary']['train_seconds']:.0f}s "
+                f"training; pref acc {rows[-1][0]:.3f} -> {rows[-1][1]:.3f}; reward acc (TRL, vs the SFT reference) "
+                f"{pref['after'].get('rewards/accuracies', float('nan')):.3f}, margin "
+                f"{pref['after'].get('rewards/margins', float('nan')):.3f}; chosen logp/token "
                 f"{pref['before']['chosen_logp_per_token']:.3f} -> {pref['after']['chosen_logp_per_token']:.3f}; "
                 f"SFT eval loss {start['eval_loss']:.4f} -> {after['eval_loss']:.4f}; exact match "
                 f"{start['exact_match']:.3f} -> {after['exact_match']:.3f} {json.dumps(after['by_family'])}",
@@ -139,9 +146,10 @@ def main() -> None:
         b, a = sum(r[0] for r in rows) / n, sum(r[1] for r in rows) / n
         loss = sum(r[2]["eval_loss"] for r in rows) / n
         em = sum(r[2]["exact_match"] for r in rows) / n
+        reward_acc = sum(r[3]["summary"]["preference"]["after"].get("rewards/accuracies", 0.0) for r in rows) / n
         change = loss / start["eval_loss"] - 1
         lines.append(
-            f"variant={name} seeds={n} pref_acc={b:.3f}->{a:.3f} sft_eval_loss={start['eval_loss']:.4f}->{loss:.4f} "
+            f"variant={name} seeds={n} pref_acc={b:.3f}->{a:.3f} reward_acc=0->{reward_acc:.3f} sft_eval_loss={start['eval_loss']:.4f}->{loss:.4f} "
             f"({change:+.1%}) exact_match={start['exact_match']:.3f}->{em:.3f}"
         )
     print("\n".join(lines))

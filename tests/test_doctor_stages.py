@@ -36,15 +36,15 @@ def _checks(findings) -> list[tuple[str, str]]:
 
 def test_reference_checks_are_silent_on_the_shipped_stages_and_fire_on_each_fault():
     assert check_reference(_cfg("dpo")) == [] and check_reference(_cfg("grpo")) == []
-    assert _checks(check_reference(_cfg("dpo", "--dpo.beta", "0"))) == [("error", "stages.beta_zero")]
+    assert _checks(check_reference(_cfg("dpo", "--dpo.beta", "0"))) == [("error", "hazards.stages.beta_zero")]
     policy = check_reference(_cfg("dpo", "--dpo.sync_ref_model", "true", "--dpo.ref_model_mixup_alpha", "1.0"))
-    assert _checks(policy) == [("error", "stages.reference_is_policy")]
+    assert _checks(policy) == [("error", "hazards.stages.reference_is_policy")]
     assert "the DPO rewards compare the model with itself" in policy[0].what
     assert check_reference(_cfg("dpo", "--dpo.sync_ref_model", "true")) == []  # TRL's alpha 0.6: a real reference
     off = check_reference(_cfg("grpo", "--grpo.beta", "0", "--grpo.sync_ref_model", "true"))
-    assert _checks(off) == [("warning", "stages.beta_zero_reference")]
+    assert _checks(off) == [("warning", "hazards.stages.beta_zero_reference")]
     kl = _cfg("grpo", "--grpo.beta", "0.04", "--grpo.sync_ref_model", "true", "--grpo.ref_model_mixup_alpha", "1")
-    assert _checks(check_reference(kl)) == [("error", "stages.reference_is_policy")]
+    assert _checks(check_reference(kl)) == [("error", "hazards.stages.reference_is_policy")]
 
 
 def test_generation_length_fits_or_says_what_cannot_fit():
@@ -52,10 +52,15 @@ def test_generation_length_fits_or_says_what_cannot_fit():
     assert check_generation_lengths(cfg, [40, 60], max_positions=512) == []
     long = _cfg("grpo", "--grpo.max_completion_length", "600")
     got = check_generation_lengths(long, [40, 60], max_positions=512)
-    assert _checks(got) == [("error", "stages.generation_length"), ("warning", "stages.generation_length")]
+    assert _checks(got) == [
+        ("error", "hazards.stages.generation_length"),
+        ("warning", "hazards.stages.generation_length"),
+    ]
     assert "longest prompt 60 tokens + grpo.max_completion_length 600 = 660" in got[0].evidence
     vllm = _cfg("grpo", "--grpo.use_vllm", "true", "--grpo.vllm_max_model_length", "64")
-    assert _checks(check_generation_lengths(vllm, [60], max_positions=None)) == [("error", "stages.generation_length")]
+    assert _checks(check_generation_lengths(vllm, [60], max_positions=None)) == [
+        ("error", "hazards.stages.generation_length")
+    ]
 
 
 def test_rewards_are_called_as_trl_calls_them(tmp_path, monkeypatch):
@@ -71,10 +76,10 @@ def test_rewards_are_called_as_trl_calls_them(tmp_path, monkeypatch):
     names = ["my_rewards:short", "my_rewards:text", "my_rewards:fine", "no_such_module:f", "my_rewards:missing"]
     got = check_rewards(_cfg("grpo", "--rewards", json.dumps(names)), rows)
     assert _checks(got) == [
-        ("error", "stages.reward_length"),
-        ("error", "stages.reward_length"),
-        ("error", "stages.reward_import"),
-        ("error", "stages.reward_import"),
+        ("error", "hazards.stages.reward_length"),
+        ("error", "hazards.stages.reward_length"),
+        ("error", "hazards.stages.reward_import"),
+        ("error", "hazards.stages.reward_import"),
     ]
     assert "got list of 1 for 2 completions" in got[0].what and "'my_rewards:short'" in got[0].what
     assert "cannot import 'no_such_module'" in got[2].evidence
@@ -88,10 +93,18 @@ def test_stage_findings_audit_the_pairs_with_the_tokenizer(tokenizer, tmp_path):
         "data.train_file: 1000 preference pairs kept of 1000",
         "data.eval_file: 200 preference pairs kept of 200",
     ]
+    grpo = _cfg("grpo", "--grpo.max_completion_length", "600")
+    got = stage_findings(grpo, tokenizer, _meta_tiny())  # prompts rendered and counted, the model's positions read
+    assert _checks(got)[1:] == [
+        ("error", "hazards.stages.generation_length"),
+        ("warning", "hazards.stages.generation_length"),
+    ]
+    assert "generation cannot fit the model's 512 positions" in got[1].what
+    assert stage_findings(_cfg("grpo"), tokenizer, _meta_tiny())[1:] == []  # the shipped GRPO config: silent
     bad = tmp_path / "pairs.jsonl"
     bad.write_text('{"prompt": "x", "chosen": "a", "rejected": "a"}\n')
     got = stage_findings(_cfg("dpo", "--data.train_file", str(bad), "--data.eval_file", "null"), None)
-    assert _checks(got) == [("error", "stages.data")] and f"{bad}:1: " in got[0].evidence
+    assert _checks(got) == [("error", "hazards.stages.data")] and f"{bad}:1: " in got[0].evidence
 
 
 def test_memory_counts_the_reference_copy_both_dpo_rows_and_the_generation_cache():
@@ -115,7 +128,12 @@ def _meta_tiny():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
     )
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)

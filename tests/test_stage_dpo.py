@@ -104,12 +104,14 @@ def test_dpo_moves_the_adapter_and_keeps_the_reference(dpo_run):
     assert ref["kind"] == "adapter copy ('ref')" and ref["source"] == str(sft) and ref["tensors"] == len(before)
     assert ref["max_abs_diff"] == 0.0 and ref["max_abs_diff_after_training"] == 0.0  # the SFT model, frozen
     assert not (dpo / "ref").exists()  # the reference copy is not saved as a second adapter
+    stops = json.loads((dpo / "generation_config.json").read_text())["eos_token_id"]
+    assert stops == json.loads((sft / "generation_config.json").read_text())["eos_token_id"]  # stops as after SFT
 
 
 def test_summary_has_preference_metrics_and_the_card_names_the_chain(dpo_run):
     _, dpo, proc = dpo_run
     summary = json.loads((dpo / "run_summary.json").read_text())
-    assert summary["stage"] == "dpo" and summary["stage_chain"] == ["sft", "dpo"] and summary["global_step"] == 3
+    assert summary["stage"] == "dpo" and summary["stage_chain"] == ["sft", "dpo"] and summary["train_steps"] == 3
     before, after = summary["preference"]["before"], summary["preference"]["after"]
     for metrics in (before, after):
         assert 0.0 <= metrics["preference_accuracy"] <= 1.0

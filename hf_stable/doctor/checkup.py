@@ -214,7 +214,7 @@ def run_doctor(
     except Exception as e:
         report.add(_crash("hazards.model", "the model config cannot be read", e))
     if cfg.stage != "sft":  # dpo / grpo: their data, reference, rewards, generation lengths (`stage_checks`)
-        report.add(stage_findings(cfg, tokenizer, facts))
+        report.add(stage_findings(cfg, tokenizer, model if model is not None else meta))
     elif data is None and tokenizer is None:
         report.add(data_file_findings(cfg))  # what can be checked without a tokenizer: the files and their lines
     if data is None and tokenizer is not None and cfg.stage == "sft":

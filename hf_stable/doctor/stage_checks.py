@@ -26,7 +26,7 @@ STAGE_DEFAULTS = {  # TRL 1.16's own defaults for the fields read here
 
 
 def _f(severity: str, name: str, what: str, evidence: str = "", fix: str = "") -> Finding:
-    return Finding(severity, what, evidence, fix, check=f"stages.{name}")
+    return Finding(severity, what, evidence, fix, check=f"hazards.stages.{name}")
 
 
 def stage_value(cfg, key: str):
@@ -76,8 +76,9 @@ def check_reference(cfg) -> list[Finding]:
     return out
 
 
-def _max_positions(facts) -> int | None:
-    config = getattr(facts, "config", None)
+def _max_positions(model) -> int | None:
+    """The model's `max_position_embeddings` (a real or meta-device model), None when unknown."""
+    config = getattr(model, "config", None)
     n = getattr(config, "max_position_embeddings", None) if config is not None else None
     return int(n) if isinstance(n, int) and n > 0 else None
 
@@ -239,7 +240,7 @@ def _prompt_rows(cfg, tokenizer) -> tuple[list[dict], list[int], list[Finding]]:
     return rows, lengths, found
 
 
-def stage_findings(cfg, tokenizer=None, facts=None) -> list[Finding]:
+def stage_findings(cfg, tokenizer=None, model=None) -> list[Finding]:
     """Every stage check for `cfg.stage` (none for SFT); checks whose inputs are missing are skipped."""
     if getattr(cfg, "stage", "sft") == "sft":
         return []
@@ -247,5 +248,5 @@ def stage_findings(cfg, tokenizer=None, facts=None) -> list[Finding]:
     if cfg.stage == "dpo":
         return out + _pair_findings(cfg, tokenizer)
     rows, lengths, found = _prompt_rows(cfg, tokenizer)
-    out += found + check_generation_lengths(cfg, lengths, _max_positions(facts))
+    out += found + check_generation_lengths(cfg, lengths, _max_positions(model))
     return out + check_rewards(cfg, rows)

@@ -187,7 +187,7 @@ def run(cfg, started: float) -> dict:
         "started_from": str(setup.start.path) if setup.start is not None else None,
         "reference": reference,
         "train_loss": result.training_loss,
-        "global_step": trainer.state.global_step,
+        "train_steps": trainer.state.global_step,
         "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.time() - started, 1),
         "data": {"eval_source": pairs.eval_source, **pairs.stats},
@@ -195,6 +195,13 @@ def run(cfg, started: float) -> dict:
     }
     summary = save_stage_outputs(cfg, setup, trainer, tokenizer, summary)
     if is_main_process():
+        from hf_stable.data.prompts import stop_token_ids
+        from hf_stable.reporting.generation_config import save_generation_config
+
+        # generation stops where the pairs' answers end (the template's end of turn), as after SFT
+        save_generation_config(
+            setup.args.output_dir, trainer.model, tokenizer, stop_token_ids(tokenizer, pairs.template)
+        )
         acc = (before.get("preference_accuracy"), after.get("preference_accuracy"))
         logger.info(
             "%s: %d steps; held-out preference accuracy %s -> %s; outputs in %s",
