@@ -1,6 +1,7 @@
 # The two setup commands of the README. Both work on a fresh machine (no venv, no torch):
 #   make demo   - install, then run the main job on the embedded default (offline, CPU)
 #   make test   - install, then run the test suite
+#   make demo-grpo - the demo's SFT run (skipped when outputs/default holds it), then the GRPO stage from its adapter
 # For the inner loop:
 #   make test-fast - the suite without subprocess recipe runs, 2-process, DeepSpeed and wheel tests (~2 min on 2 cores: 754 tests)
 #   make lint      - ruff's rules and formatting, checked (`ruff check --fix .` / `ruff format .` apply them)
@@ -13,7 +14,7 @@ STAMP := $(VENV)/.installed
 WORKERS ?= -n 2 --dist loadfile
 FAST := not slow and not distributed and not deepspeed and not wheel
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo demo-grpo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +27,13 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 demo: setup
 	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 		scripts/finetune.py
+
+# SFT -> GRPO on the embedded default; the last line says exact match per family before and after the GRPO stage
+demo-grpo: setup
+	test -f outputs/default/run_summary.json || $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 \
+		--mixed_precision no --dynamo_backend no scripts/finetune.py
+	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+		scripts/finetune.py --config configs/grpo.yaml --runtime.overwrite true
 
 test: setup
 	$(VENV)/bin/python -m pytest -q $(WORKERS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,8 @@ from hf_stable.stages.common import chain_text, stage_chain
 from hf_stable.stages.start import resolve_start_from
 
 pytest.importorskip("trl")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _problems(data: dict) -> list[str]:
@@ -144,3 +147,23 @@ def test_without_trl_a_stage_says_which_extra_to_install(monkeypatch):
 def test_run_stage_leaves_sft_to_the_recipe():
     with pytest.raises(ValueError, match="scripts/finetune.py"):
         run_stage(config_from_dict({}))
+
+
+def test_bf16_and_checkpointing_keep_training_arguments_defaults_unless_set(tmp_path):
+    base = {"stage": "grpo", "grpo": {"num_generations": 2}}
+    training = {"output_dir": str(tmp_path), "per_device_train_batch_size": 2, "use_cpu": True}
+    args = stage_arguments(config_from_dict({**base, "training": training}))
+    assert (args.bf16, args.activation_checkpointing, args.gradient_checkpointing) == (False, False, False)
+    on = {**training, "activation_checkpointing": True}
+    args = stage_arguments(config_from_dict({**base, "training": on}))
+    assert args.activation_checkpointing is True and args.gradient_checkpointing is True
+
+
+def test_the_7b_grpo_config_fits_one_gpu_without_vllm_and_passes_use_vllm():
+    cfg = load_config(ROOT / "configs/qwen2.5-7b-grpo.yaml")
+    args = stage_arguments(cfg, use_cpu=True)
+    assert cfg.stage == "grpo" and cfg.model.start_from == "outputs/qwen2.5-7b-lora" and cfg.lora.enabled
+    assert (args.bf16, args.activation_checkpointing, args.use_vllm) == (True, True, False)
+    assert args.max_completion_length <= cfg.data.max_length and args.num_generations == 8
+    on = load_config(ROOT / "configs/qwen2.5-7b-grpo.yaml", ["--grpo.use_vllm", "true"])
+    assert stage_arguments(on, use_cpu=True).use_vllm is True

@@ -365,15 +365,11 @@ def _check_recipe_run(cmd: Command, command: str, request, tmp_path: Path, cache
         work = request.getfixturevalue("default_run")
     elif command in _RECIPE_RUNS:
         work = _RECIPE_RUNS[command]
-    elif _recipe_config(cmd.script_args).stage != "sft":  # a later stage continues the README's SFT run (outputs/)
-        work = request.getfixturevalue("default_run")
-        _assert_finished(
-            _run(_launch(cmd), work, cache), work / _recipe_config(cmd.script_args).training["output_dir"]
-        )
-        _RECIPE_RUNS[command] = work
     else:
-        request.getfixturevalue("default_run")  # builds the tiny Llama base once, before any other launch needs it
-        work = _workdir(tmp_path / "work")
+        # the default run builds the tiny Llama base once, before any other launch needs it; a later stage
+        # (stage: grpo / dpo) starts from the default run's output dir, so it runs where that run is
+        default_work = request.getfixturevalue("default_run")
+        work = default_work if _recipe_config(cmd.script_args).model.start_from else _workdir(tmp_path / "work")
         proc = _run(_launch(cmd), work, cache)
         _assert_finished(proc, work / _recipe_config(cmd.script_args).training["output_dir"])
         _RECIPE_RUNS[command] = work

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from hf_stable.errors import ConfigError
 from hf_stable.resources import data_file
 from hf_stable.rewards import answer_format, answer_similarity, exact_answer, resolve_reward, resolve_rewards
 
+ROOT = Path(__file__).resolve().parents[1]
 ROWS = [json.loads(line) for line in data_file("embedded:grpo").read_text(encoding="utf-8").splitlines()]
 
 
@@ -95,3 +97,28 @@ def test_an_unknown_shipped_reward_is_refused_when_the_config_loads():
     with pytest.raises(ConfigError) as info:
         config_from_dict({"stage": "grpo", "rewards": ["exact_anwser"]})
     assert info.value.problems[0].startswith("rewards: unknown reward 'exact_anwser' (did you mean exact_answer?")
+
+
+def test_the_doctor_checks_a_grpo_stage_s_start_prompts_rewards_and_lengths(tmp_path, monkeypatch, tokenizer):
+    pytest.importorskip("trl")
+    from hf_stable.config import load_config
+    from hf_stable.stages.doctor import stage_findings
+
+    run = tmp_path / "sft"
+    run.mkdir()
+    (run / "adapter_config.json").write_text("{}")
+    grpo = load_config(ROOT / "configs/grpo.yaml", ["--model.start_from", str(run)])
+    clean = stage_findings(grpo, tokenizer)
+    assert [f.severity for f in clean if f.severity in ("warning", "error")] == []
+    assert any(f.check == "hazards.stage.prompts" and f.what.startswith("600 prompts") for f in clean)
+
+    (tmp_path / "bad_rewards.py").write_text("def one(completions, **kw):\n    return [1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--model.start_from", str(tmp_path / "none"), "--rewards", "[bad_rewards:one]", "--data.max_length", "16"]
+    faulty = {f.check: f for f in stage_findings(load_config(ROOT / "configs/grpo.yaml", argv), tokenizer)}
+    assert faulty["hazards.stage.start"].severity == "error"
+    assert (
+        faulty["hazards.stage.rewards"].what
+        == "reward bad_rewards:one returns 1 values for 4 completions (or a non-finite one)"
+    )
+    assert faulty["hazards.stage.lengths"].severity == "warning"

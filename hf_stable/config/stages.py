@@ -29,7 +29,8 @@ _OWNED_BY_RECIPE = {
 
 
 # TrainingArguments fields whose default TRL's configs change, kept at TrainingArguments' default unless set
-_TRAINING_DEFAULTS = {"bf16": False, "gradient_checkpointing": False}
+# (gradient_checkpointing None: `activation_checkpointing`, the current name, decides, off by default)
+_TRAINING_DEFAULTS = {"bf16": False, "gradient_checkpointing": None}
 
 
 def require_trl(stage: str):
@@ -138,7 +139,7 @@ def check_stages(cfg, problems: list[str]) -> None:
 def stage_arguments(cfg, **forced: Any):
     """`trl.DPOConfig` / `trl.GRPOConfig` from `training:` + the stage's section + values the recipe owns
     (`forced`), the stage counterpart of `training_arguments`. DPO's `max_length` is `data.max_length`. `bf16` and
-    `gradient_checkpointing` not set under `training:` keep TrainingArguments' defaults (off), as in the SFT stage,
+    activation checkpointing not set under `training:` keep TrainingArguments' defaults (off), as in the SFT stage,
     where TRL's configs turn both on.
 
     Raises:
@@ -150,7 +151,7 @@ def stage_arguments(cfg, **forced: Any):
     kwargs.update(getattr(cfg, cfg.stage))
     kwargs.setdefault("output_dir", str(Path("outputs") / Path(cfg.source or "run").stem))
     kwargs.setdefault("ddp_find_unused_parameters", False)
-    for key, value in _TRAINING_DEFAULTS.items():  # TRL's own defaults: bf16 on (fails on CPU), checkpointing on
+    for key, value in _TRAINING_DEFAULTS.items():  # TRL's: bf16 on (fails on CPU), checkpointing on
         kwargs.setdefault(key, value)
     if cfg.stage == "dpo":
         kwargs["max_length"] = cfg.data.max_length

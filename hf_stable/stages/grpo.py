@@ -159,9 +159,8 @@ def run(cfg, started: float) -> dict:
         model, tokenizer, base = load_stage_model(cfg, args, setup.start)
         template = resolve_template(tokenizer, cfg.data.template)
         stops = stop_token_ids(tokenizer, template)
-        generation = model.get_base_model().generation_config if hasattr(model, "get_base_model") else None
-        if generation is not None:  # completions end where SFT taught answers to end (the template's end of turn)
-            generation.eos_token_id = stops
+        # completions end where SFT taught answers to end (the template's end of turn), as TRL reads it from the model
+        (model.get_base_model() if hasattr(model, "get_base_model") else model).generation_config.eos_token_id = stops
         train_rows, eval_rows = _data(cfg, args.seed)
         dataset = _dataset(tokenizer, train_rows, template)
         n_trainable, n_total = count_parameters(model)
