@@ -365,12 +365,6 @@ def _check_recipe_run(cmd: Command, command: str, request, tmp_path: Path, cache
         work = request.getfixturevalue("default_run")
     elif command in _RECIPE_RUNS:
         work = _RECIPE_RUNS[command]
-    elif _recipe_config(cmd.script_args).stage != "sft":  # a later stage continues the README's SFT run (outputs/)
-        work = request.getfixturevalue("default_run")
-        _assert_finished(
-            _run(_launch(cmd), work, cache), work / _recipe_config(cmd.script_args).training["output_dir"]
-        )
-        _RECIPE_RUNS[command] = work
     else:
         # the default run builds the tiny Llama base once, before any other launch needs it; a later stage
         # (stage: grpo / dpo) starts from the default run's output dir, so it runs where that run is

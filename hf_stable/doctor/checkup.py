@@ -213,11 +213,11 @@ def run_doctor(
         facts = model_facts(model) if model is not None else meta_model_facts(cfg, base, meta) if meta else None
     except Exception as e:
         report.add(_crash("hazards.model", "the model config cannot be read", e))
-    if cfg.stage != "sft":  # dpo / grpo: their data, reference, rewards, generation lengths (`stage_checks`)
+    if cfg.stage != "sft":  # dpo / grpo: reference, pairs, prompts, rewards, lengths (`stage_checks`)
         report.add(stage_findings(cfg, tokenizer, model if model is not None else meta))
     elif data is None and tokenizer is None:
         report.add(data_file_findings(cfg))  # what can be checked without a tokenizer: the files and their lines
-    if data is None and tokenizer is not None and cfg.stage == "sft":
+    elif data is None:  # SFT with a tokenizer: build the data as the recipe will
         try:
             from hf_stable.data import build_data
 

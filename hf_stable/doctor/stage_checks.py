@@ -245,8 +245,12 @@ def stage_findings(cfg, tokenizer=None, model=None) -> list[Finding]:
     if getattr(cfg, "stage", "sft") == "sft":
         return []
     out = check_reference(cfg)
+    if tokenizer is not None:  # the stage's start, and GRPO's prompts, rewards and lengths (`hf_stable.stages.doctor`)
+        from hf_stable.stages.doctor import stage_findings as start_and_prompt_findings
+
+        out += start_and_prompt_findings(cfg, tokenizer)
     if cfg.stage == "dpo":
         return out + _pair_findings(cfg, tokenizer)
-    rows, lengths, found = _prompt_rows(cfg, tokenizer)
-    out += found + check_generation_lengths(cfg, lengths, _max_positions(model))
-    return out + check_rewards(cfg, rows)
+    # GRPO: the prompts, rewards and data.max_length are `hf_stable.stages.doctor`'s; here what must fit the model
+    _, lengths, _ = _prompt_rows(cfg, tokenizer)
+    return out + [f for f in check_generation_lengths(cfg, lengths, _max_positions(model)) if f.severity == "error"]
