@@ -26,7 +26,7 @@ from pathlib import Path
 
 from hf_stable.data.cleaning import CleaningStats, clean_text
 from hf_stable.data.prompts import answer_text, render_all, resolve_template
-from hf_stable.data.records import ROLES, BadRecord, Record, RecordSchema, read_records
+from hf_stable.data.records import BadRecord, Record, RecordSchema, check_message_items, read_records
 from hf_stable.data.samples import encode_records
 from hf_stable.resources import data_file
 
@@ -41,16 +41,7 @@ def _type_name(value) -> str:
 def _check_messages(value, name: str, *, last_assistant: bool) -> None:
     if not isinstance(value, list) or not value:
         raise BadRecord("bad_messages", f"field '{name}' must be a non-empty list of messages")
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise BadRecord("wrong_type", f"{name}[{i}] must be an object, got {_type_name(m)}")
-        for key in ("role", "content"):
-            if key not in m:
-                raise BadRecord("missing_field", f"{name}[{i}] has no '{key}'")
-            if not isinstance(m[key], str):
-                raise BadRecord("wrong_type", f"{name}[{i}].{key} must be a string, got {_type_name(m[key])}")
-        if m["role"] not in ROLES:
-            raise BadRecord("bad_messages", f"{name}[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
+    check_message_items(value, name)
     last = value[-1]["role"]
     if last_assistant and last != "assistant":
         raise BadRecord("bad_messages", f"the last message of '{name}' must be the assistant answer, got {last!r}")

@@ -107,22 +107,27 @@ def check_alpaca(obj: dict) -> dict:
     return obj
 
 
+def check_message_items(msgs: list, name: str) -> None:
+    """Each message of the list `name` is an object with string `role` (one of `ROLES`) and `content`."""
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadRecord("wrong_type", f"{name}[{i}] must be an object, got {_type_name(m)}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise BadRecord("missing_field", f"{name}[{i}] has no '{key}'")
+            if not isinstance(m[key], str):
+                raise BadRecord("wrong_type", f"{name}[{i}].{key} must be a string, got {_type_name(m[key])}")
+        if m["role"] not in ROLES:
+            raise BadRecord("bad_messages", f"{name}[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
+
+
 def check_chat(obj: dict) -> dict:
     msgs = obj.get("messages")
     if not isinstance(msgs, list):
         raise BadRecord("wrong_type", f"field 'messages' must be a list, got {_type_name(msgs)}")
     if not msgs:
         raise BadRecord("bad_messages", "field 'messages' is empty")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise BadRecord("wrong_type", f"messages[{i}] must be an object, got {_type_name(m)}")
-        for key in ("role", "content"):
-            if key not in m:
-                raise BadRecord("missing_field", f"messages[{i}] has no '{key}'")
-            if not isinstance(m[key], str):
-                raise BadRecord("wrong_type", f"messages[{i}].{key} must be a string, got {_type_name(m[key])}")
-        if m["role"] not in ROLES:
-            raise BadRecord("bad_messages", f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
+    check_message_items(msgs, "messages")
     if msgs[-1]["role"] != "assistant":
         raise BadRecord(
             "bad_messages", f"the last message must be the assistant answer, got role {msgs[-1]['role']!r}"
