@@ -14,7 +14,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from hf_stable.config.loader import coerce, did_you_mean
+from hf_stable.config.loader import did_you_mean
+from hf_stable.config.training import coerce_field
 from hf_stable.errors import ConfigError, MissingDependencyError
 
 STAGES = ("sft", "dpo", "grpo")
@@ -88,16 +89,7 @@ def check_stage_section(stage: str, section: dict, problems: list[str]) -> dict:
             hint = f" (did you mean {', '.join(close)}?)" if close else f" (see trl.{name})"
             problems.append(f"{where}: not a trl.{name} field{hint}")
             continue
-        tp = types_[key]
-        if tp in (float, int, bool):
-            sub: list[str] = []
-            coerced = coerce(value, tp, where, sub)
-            if sub and tp is int and isinstance(value, float) and value.is_integer():
-                coerced, sub = int(value), []
-            problems.extend(sub)
-            out[key] = value if sub else coerced
-        else:
-            out[key] = value
+        out[key] = coerce_field(value, types_[key], where, problems)
     return out
 
 

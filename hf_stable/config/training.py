@@ -40,14 +40,18 @@ def check_training(training: dict, problems: list[str]) -> dict:
             hint = f" (did you mean {', '.join(close)}?)" if close else " (see transformers.TrainingArguments)"
             problems.append(f"training.{key}: not a TrainingArguments field{hint}")
             continue
-        tp = types_[key]
-        if tp in (float, int, bool):
-            sub: list[str] = []
-            coerced = coerce(value, tp, f"training.{key}", sub)
-            if sub and tp is int and isinstance(value, float) and value.is_integer():
-                coerced, sub = int(value), []
-            problems.extend(sub)
-            out[key] = value if sub else coerced
-        else:
-            out[key] = value
+        out[key] = coerce_field(value, types_[key], f"training.{key}", problems)
     return out
+
+
+def coerce_field(value, tp, where: str, problems: list[str]):
+    """`value` for a dataclass field of type `tp`: a YAML scalar (`1e-4`, `"3"`, `2.0` for an int) coerced to
+    float / int / bool, a problem appended when it cannot be; other types pass through."""
+    if tp not in (float, int, bool):
+        return value
+    sub: list[str] = []
+    coerced = coerce(value, tp, where, sub)
+    if sub and tp is int and isinstance(value, float) and value.is_integer():
+        coerced, sub = int(value), []
+    problems.extend(sub)
+    return value if sub else coerced
