@@ -27,19 +27,16 @@ The tiny policy and the data come from `tests/dist_scripts/posttrain_common.py` 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import logging
 import math
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "dist_scripts"))
 
-from posttrain_common import RolloutFaults, StepFaults, all_finite, build_trainer, prompt_rows, trainable
+from posttrain_common import RolloutFaults, StepFaults, all_finite, build_trainer, prompt_rows, quiet, trainable
 
 import hf_stable
 from hf_stable.config import RunConfig
@@ -51,16 +48,6 @@ FAULTS = {
     "nan_grad": {"nan_grad": [FAULT_STEP]},
     "x1e3": {"scale_grad": {FAULT_STEP: 1e3}},
 }
-
-
-def _quiet(fn, *a, **kw):
-    with (
-        warnings.catch_warnings(),
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(io.StringIO()),
-    ):
-        warnings.simplefilter("ignore")
-        return fn(*a, **kw)
 
 
 def _objective(trainer, kind: str) -> float:
@@ -83,7 +70,7 @@ def clean_run(kind: str, mode: str, seed: int, steps: int, tmp: Path) -> dict:
         cfg = RunConfig()
         cfg.stability.guards.enabled = mode == "guards_on"
         hf_stable.stabilize(trainer, cfg)
-    _quiet(trainer.train)
+    quiet(trainer.train)
     events = _events(out)
     return {
         "skips": sum(e["kind"] == "step_skipped" for e in events),
@@ -103,7 +90,7 @@ def fault_run(kind: str, fault: str, stabilized: bool, tmp: Path) -> dict:
         hf_stable.stabilize(trainer)
     completed, error = True, ""
     try:
-        _quiet(trainer.train)
+        quiet(trainer.train)
     except Exception as e:  # noqa: BLE001 - stock GRPO crashes at its next sampling after a NaN step
         completed, error = False, type(e).__name__
     skipped = FAULT_STEP in [e["step"] for e in _events(out) if e["kind"] == "step_skipped"]
@@ -134,7 +121,7 @@ def reward_run(fault: str, stabilized: bool, seed: int, steps: int, tmp: Path) -
         hf_stable.stabilize(trainer)
     completed = True
     try:
-        _quiet(trainer.train)
+        quiet(trainer.train)
     except Exception:  # noqa: BLE001 - a crash is a result here
         completed = False
     events = _events(out)
@@ -200,7 +187,7 @@ def rl_run(case: str, stabilized: bool, seed: int, steps: int, tmp: Path) -> dic
     torch.manual_seed(seed)  # the sampling RNG (the LoRA B starts at 0: the seed alone leaves the policy as it is)
     completed, error = True, ""
     try:
-        _quiet(trainer.train)
+        quiet(trainer.train)
     except Exception as e:  # noqa: BLE001 - a crash is a result here
         completed, error = False, type(e).__name__
     events = _events(out)
@@ -247,7 +234,7 @@ def clip_run(steps: int, tmp: Path) -> tuple[int, float, int]:
     skip = next(c for c in trainer.callback_handler.callbacks if isinstance(c, SkipGuard))
     trainer.add_callback(ClipGuard(skip_guard=skip))
     order_for_reporting(trainer)
-    _quiet(trainer.train)
+    quiet(trainer.train)
     coefs = [h["clip/coef_min"] for h in trainer.state.log_history if "clip/coef_min" in h]
     return sum(c < 1.0 for c in coefs), min(coefs) if coefs else 1.0, len(coefs)
 

@@ -18,33 +18,20 @@ The tiny policy and the data come from `tests/dist_scripts/posttrain_common.py` 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "dist_scripts"))
 
-from posttrain_common import all_finite, build_trainer, preference_rows, trainable
+from posttrain_common import all_finite, build_trainer, preference_rows, quiet, trainable
 
 import hf_stable
 from hf_stable.core.events import read_events
 
 BATCH = 4
-
-
-def _quiet(fn, *a, **kw):
-    with (
-        warnings.catch_warnings(),
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(io.StringIO()),
-    ):
-        warnings.simplefilter("ignore")
-        return fn(*a, **kw)
 
 
 def _last(trainer, key: str, n: int = 5) -> float:
@@ -77,7 +64,7 @@ def run(seed: int, steps: int, burst: list[int], arm: str, tmp: Path) -> dict:
     )
     if arm != "stock":
         hf_stable.stabilize(trainer, records=path)
-    _quiet(trainer.train)
+    quiet(trainer.train)
     events = read_events(out) if (out / "stability_events.jsonl").exists() else []
     named = sorted(i for e in events if e["kind"] == "step_pairs" for i in e["records"])
     where = sorted(w for e in events if e["kind"] == "step_pairs" for w in (e.get("where") or []))

@@ -6,9 +6,12 @@ Kept free of pytest so `torchrun` scripts and `benchmarks/posttrain.py` can impo
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import random
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
@@ -242,3 +245,14 @@ class RolloutFaults:
                 old, _, _ = self.trainer._get_per_token_logps_and_entropies(self.trainer.model, ids, att, mask.size(1))
         inputs["old_per_token_logps"] = old.detach() - 10.0
         return inputs
+
+
+def quiet(fn, *a, **kw):
+    """`fn(*a, **kw)` with its prints and warnings swallowed (TRL and transformers are chatty on tiny models)."""
+    with (
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
+        warnings.simplefilter("ignore")
+        return fn(*a, **kw)
