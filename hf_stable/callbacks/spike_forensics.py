@@ -31,8 +31,9 @@ import torch
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.core.engine import StepEngine
+from hf_stable.core.events import LR_SIGNS
 from hf_stable.core.step_tap import StepTapUser
-from hf_stable.distributed import all_reduce_tensor, rank
+from hf_stable.distributed import all_reduce_flag, all_reduce_tensor, rank
 from hf_stable.forensics.attribution import (
     Culprit,
     SampleRow,
@@ -92,6 +93,7 @@ class SpikeForensics(ScreenedForwards, EpochVerdicts, StepTapUser, StabilityCall
         self._reference: deque[float] = deque(maxlen=cfg.window)
         self._skip = None
         self._rollback = None
+        self._monitors: list[StabilityCallback] = []  # their events: the weights' signs (`_weights_suspect`)
         self._model = self._optimizer = self._args = None
         self._step = 0
         self._bad_steps: set[int] = set()
@@ -111,6 +113,7 @@ class SpikeForensics(ScreenedForwards, EpochVerdicts, StepTapUser, StabilityCall
                 cb.add_listener(self._on_verdict)
             elif isinstance(cb, RollbackGuard):
                 self._rollback = cb
+        self._monitors = [cb for cb in callbacks if isinstance(cb, StabilityCallback) and cb is not self]
         return self
 
     # --- state ---------------------------------------------------------------------------------------------
@@ -239,6 +242,10 @@ class SpikeForensics(ScreenedForwards, EpochVerdicts, StepTapUser, StabilityCall
                     args=self._args,
                 )
                 suspects = suspects + weights
+            if culprits and all_reduce_flag(self._weights_suspect()):  # entered by every rank: culprits are agreed
+                # the run's weights went bad (restored with the LR backed off, or a monitor saw a too-high LR's
+                # signs): a gradient outlier now is the weights' doing; the loss rules still name records
+                suspects, culprits = suspects + [c.row for c in culprits], []
         if self.cfg.screen and self._tap is not None:  # agreed: the gathered rows and the config
             inputs = {(step, rid): (self._tap.inputs[mb][1], seg) for rid, (mb, seg) in located.items()}
             culprits += [c for _, c in self._prompt_mismatches({step: (rows, culprits, med)}, inputs)]
@@ -265,6 +272,15 @@ class SpikeForensics(ScreenedForwards, EpochVerdicts, StepTapUser, StabilityCall
         )
         self._quarantine(step, culprits, med, step_reasons)
         self.forensics_seconds += time.perf_counter() - started  # logged (rank 0): not an event, ranks' times differ
+
+    def _weights_suspect(self) -> bool:
+        """This rank has seen the weights go bad: a rollback restored them and backed the LR off (`LRControl`'s
+        persistent `rollback` factor below 1), or a monitor raised one of a too-high LR's signs (`LR_SIGNS`: e.g.
+        saturated attention logits). Monitors judge per rank: the caller agrees on it over ranks."""
+        control = getattr(self._rollback, "lr_control", None)
+        if control is not None and control.factor("rollback") < 1.0:
+            return True
+        return any(e["kind"] in LR_SIGNS for cb in self._monitors for e in cb.events)
 
     # --- the quarantine ------------------------------------------------------------------------------------
     def _quarantine(self, step: int, culprits: list[Culprit], median: float, step_reasons: list[str], at=None) -> None:

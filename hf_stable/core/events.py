@@ -17,6 +17,9 @@ from hf_stable.logging import get_logger
 logger = get_logger(__name__)
 
 EVENTS_FILE = "stability_events.jsonl"
+# monitor alerts whose usual cause is a too-high learning rate: the weights, not the data (the verdict's advice names
+# the LR; the spike forensics then quarantine no record on gradient evidence alone)
+LR_SIGNS = ("attn_logit_high", "attn_logit_growth", "grad_explosion", "loss_curvature")
 
 
 def _json_safe(value: Any) -> Any:

@@ -21,13 +21,11 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from hf_stable.core.events import read_events
+from hf_stable.core.events import LR_SIGNS, read_events
 from hf_stable.forensics.quarantine import read_quarantine
 
 VERDICTS = ("healthy", "warned", "rescued", "diverged")
 DIVERGED_SKIP_SHARE = 0.2
-# monitor alerts whose usual cause is a too-high learning rate (the advice of a `warned` run names it)
-LR_SIGNS = ("attn_logit_high", "attn_logit_growth", "grad_explosion", "loss_curvature")
 DIVERGED_MIN_SKIPS = 5
 # events about the set-up (a guard or monitor that cannot act here, a config caveat), not about the run's health
 SETUP_KINDS = frozenset(
