@@ -8,6 +8,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from hf_stable.callbacks.guards import LRControl, OptimizerPhaseGuard
+from hf_stable.compat import fused_optimizer_device_types
 from hf_stable.callbacks.guards.lr_control import unwrap_optimizer
 from hf_stable.config import OptimConfig
 from hf_stable.config.guards import OptimizerPhasesConfig, PhaseConfig
@@ -16,6 +17,8 @@ from hf_stable.errors import ConfigError
 from hf_stable.optim import build_optimizer
 from hf_stable.optim.phases import PhasedOptimizer, wrap_for_phases
 from tests.dist_scripts.guards_common import tiny_lora_llama, token_data, training_args
+
+CPU_FUSED = "cpu" in fused_optimizer_device_types()
 
 PHASES = OptimizerPhasesConfig(
     enabled=True,
@@ -61,7 +64,8 @@ def _run(out, resume=None, max_steps=8):
 
 def test_phases_switch_keep_groups_and_lr_multipliers_and_resume(tmp_path):
     _trainer, rec, model = _run(tmp_path / "full")
-    assert [rec.kind[s] for s in range(1, 9)] == ["AdamW"] * 3 + ["SGD"] * 3 + ["Lion"] * 2
+    adamw = "FusedAdamW" if CPU_FUSED else "AdamW"  # the factory's AdamW: torch's fused kernel where it runs
+    assert [rec.kind[s] for s in range(1, 9)] == [adamw] * 3 + ["SGD"] * 3 + ["Lion"] * 2
     assert all(rec.groups[s] == rec.groups[1] for s in range(1, 9))  # names, base LRs (LoRA+ x4), decay kept
     assert len({g[1] for g in rec.groups[1]}) == 4  # 2 layers (LLRD) x LoRA A/B (LoRA+): four base LRs kept
     for step, scale in ((2, 1.0), (5, 10.0), (8, 0.3)):  # LR = schedule x phase factor, per group
@@ -138,7 +142,7 @@ def test_switch_back_to_adamw_keeps_the_factorys_betas_eps_and_fp16_guard(tmp_pa
     opt = wrap_for_phases(build_optimizer(model, cfg, args), phases, cfg, args)
     assert type(opt.current).__name__ == "SGD"
     opt.switch(1)
-    assert type(opt.current).__name__ == "AdamW"
+    assert isinstance(opt.current, torch.optim.AdamW)
     for key in ("betas", "eps", "fused", "foreach"):
         assert opt.current.defaults[key] == built.defaults[key], key
     assert opt.param_groups[0]["betas"] == (0.8, 0.95) and opt.param_groups[0]["eps"] == 1e-6

@@ -13,7 +13,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_stable.compat import fused_optimizer_device_types
 from hf_stable.config import OptimConfig
-from hf_stable.optim import build_optimizer
+from hf_stable.optim import FusedAdamW, build_optimizer
 from hf_stable.optim.factory import adamw_kernel
 from tests.helpers import make_tiny_model
 
@@ -116,3 +116,88 @@ def test_fused_adamw_resumes_bit_for_bit(tokenizer, tmp_path):
     assert weights_resumed.keys() == weights_full.keys()
     for name, w in weights_full.items():  # three more steps from the restored state: the same bits
         assert torch.equal(weights_resumed[name], w), name
+
+
+def _ladder(seed: int, dtype=torch.float32):
+    """LoRA-like tensors in four groups (two LRs x decay / no decay), one without a gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in ((8, 32), (32, 8)) * 4]
+    groups = [
+        {"params": params[0:2], "lr": 1e-3, "weight_decay": 0.01},
+        {"params": params[2:4], "lr": 1.6e-2, "weight_decay": 0.01},
+        {"params": params[4:6], "lr": 9e-4, "weight_decay": 0.0},
+        {"params": params[6:8], "lr": 1.44e-2, "weight_decay": 0.0},
+    ]
+    return params, groups
+
+
+def _step_both(steps: int, **step_kw):
+    """torch's fused AdamW and FusedAdamW from the same start, fed the same gradients; returns both."""
+    a_params, a_groups = _ladder(0)
+    b_params, b_groups = _ladder(0)
+    torch_opt = torch.optim.AdamW(a_groups, lr=1e-3, fused=True)
+    ours = FusedAdamW(b_groups, lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for i, (a, b) in enumerate(zip(a_params, b_params, strict=True)):
+            g = None if (i == 5 and step % 2) else torch.randn(a.shape, generator=gen)  # one tensor skips a step
+            a.grad, b.grad = (None, None) if g is None else (g.clone(), g.clone())
+        torch_opt.step(**step_kw.get("torch", {}))
+        ours.step(**step_kw.get("ours", {}))
+    return (a_params, torch_opt), (b_params, ours)
+
+
+@pytest.mark.skipif(not CPU_FUSED, reason="this torch has no fused AdamW on CPU")
+def test_fused_adamw_is_torch_fused_adamw_bit_for_bit():
+    (a_params, torch_opt), (b_params, ours) = _step_both(7)
+    for a, b in zip(a_params, b_params, strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch_opt.state[a][key], ours.state[b][key]), key
+    assert not torch.equal(a_params[1], _ladder(0)[0][1])  # it moved
+    # the state is torch's: ours loads into torch's class and both step on identically
+    again = torch.optim.AdamW(_ladder(0)[1], lr=1e-3, fused=True)
+    again.load_state_dict(ours.state_dict())
+    assert again.state_dict()["param_groups"] == torch_opt.state_dict()["param_groups"]
+
+
+@pytest.mark.skipif(not CPU_FUSED, reason="this torch has no fused AdamW on CPU")
+def test_fused_adamw_runs_torchs_own_step_for_what_the_short_path_does_not_cover(monkeypatch):
+    import hf_stable.optim.fused_adamw as fused
+
+    calls = []
+    real = fused._TORCH_STEP
+    monkeypatch.setattr(fused, "_TORCH_STEP", lambda opt, closure=None: calls.append(closure) or real(opt, closure))
+    params, groups = _ladder(2)
+    opt = FusedAdamW(groups, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()  # first step: torch creates the state
+    assert len(calls) == 1
+    opt.step()  # short path
+    assert len(calls) == 1
+    loss = opt.step(closure=lambda: torch.tensor(3.0))  # a closure: torch's step, its loss returned
+    assert len(calls) == 2 and float(loss) == 3.0
+    opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(0.0)  # what a GradScaler sets
+    opt.step()
+    assert len(calls) == 3
+    del opt.grad_scale, opt.found_inf
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3)  # a tensor LR
+    opt.step()
+    assert len(calls) == 4
+    assert all(torch.isfinite(p).all() for p in params)
+    # hooks run once per step whichever path ran
+    seen = []
+    opt.register_step_pre_hook(lambda *a: seen.append("pre"))
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.step()
+    opt.step(closure=lambda: None)
+    assert seen == ["pre", "pre"]
+
+
+def test_factory_builds_fused_adamw_class_only_for_the_fused_kernel(tokenizer):
+    model = _model(tokenizer, "lora_plus")
+    fused_opt = build_optimizer(model, OptimConfig(adamw_impl="fused"), lr=1e-3)
+    foreach_opt = build_optimizer(model, OptimConfig(adamw_impl="foreach"), lr=1e-3)
+    assert type(fused_opt) is FusedAdamW and fused_opt.defaults["fused"] is True
+    assert type(foreach_opt) is torch.optim.AdamW and foreach_opt.defaults["foreach"] is True

@@ -72,6 +72,7 @@ class SnapshotStore:
         self.storage = storage
         self.path = path
         self._snap: dict | None = None  # memory: the snapshot; disk: {"step", "guard_states"}
+        self._buffers: list[torch.Tensor] | None = None  # memory: the snapshot's host tensors, refilled by `save`
         self.step: int | None = None
 
     @property
@@ -85,9 +86,12 @@ class SnapshotStore:
         index = {id(p): i for i, p in enumerate(params)}
         to_cpu = self.storage != "disk" or self.path is None
 
+        sources: list[torch.Tensor] = []  # every tensor kept, in the order `keep` met them
+
         def keep(t: torch.Tensor) -> torch.Tensor:
             local = engine.local(t)
-            return local.to("cpu", copy=True) if to_cpu else local
+            sources.append(local)
+            return local
 
         snap = {
             "step": step,
@@ -104,6 +108,15 @@ class SnapshotStore:
             "extra": [keep(t) for t in (engine.extra_snapshot_tensors(model) if model is not None else [])],
             "guard_states": copy.deepcopy(guard_states),
         }
+        if to_cpu:  # the host copies: the previous snapshot's buffers refilled in one foreach copy when they fit
+            copies = self._host_copies(sources)
+            swap = {id(src): dst for src, dst in zip(sources, copies, strict=True)}
+            snap["params"] = [swap[id(t)] for t in snap["params"]]
+            snap["extra"] = [swap[id(t)] for t in snap["extra"]]
+            for entry in snap["state"].values():
+                for k, (value, device) in entry.items():
+                    if value is not None:
+                        entry[k] = (swap[id(value)], device)
         if not to_cpu:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.unlink(missing_ok=True)  # one snapshot on disk at a time
@@ -114,6 +127,19 @@ class SnapshotStore:
             snap = {k: v for k, v in snap.items() if k not in _IN_FILE}
             snap["values"] = {i: {k: e for k, e in s.items() if e[0] is None} for i, s in state.items()}
         self._snap, self.step = snap, step
+
+    def _host_copies(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        """CPU copies of `sources`. The store holds one snapshot and `restore` only copies out of it, so the
+        previous snapshot's buffers are reused when every shape and dtype matches (no allocation per tensor)."""
+        old = self._buffers
+        if old is None or len(old) != len(sources) or any(
+            b.shape != t.shape or b.dtype != t.dtype for b, t in zip(old, sources, strict=True)
+        ):
+            self._buffers = [t.to("cpu", copy=True) for t in sources]
+            return self._buffers
+        with torch.no_grad():
+            torch._foreach_copy_(old, sources)
+        return old
 
     def load(self) -> dict | None:
         """The whole snapshot (disk: memory-mapped, read on access).

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,12 +67,22 @@ class ChunkedRun:
     checkpointed: bool = False  # chunks by checkpointed autograd (`chunked_cross_entropy`'s `checkpointed`)
 
 
+_UNWRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module | None:
     """The innermost ``*ForCausalLM`` module under DDP / DeepSpeed / compile wrappers and a peft model; None when
     there is none."""
     from accelerate.utils import extract_model_from_parallel
 
-    inner = extract_model_from_parallel(model)
+    # accelerate's unwrap walks every module (its compiled-regions check); a wrapper keeps the module it wraps, so
+    # it is walked once per wrapper, not once per training step
+    # (the value is a weak reference too: the unwrapped module is often the key itself)
+    ref = _UNWRAPPED.get(model)
+    inner = ref() if ref is not None else None
+    if inner is None:
+        inner = extract_model_from_parallel(model)
+        _UNWRAPPED[model] = weakref.ref(inner)
     get_base = getattr(inner, "get_base_model", None)  # peft's PeftModel
     if callable(get_base):
         inner = get_base()

@@ -1,4 +1,5 @@
 from hf_stable.optim.factory import build_optimizer, guarded_eps
+from hf_stable.optim.fused_adamw import FusedAdamW
 from hf_stable.optim.groups import param_groups, resolve_hyperparameters
 from hf_stable.optim.handover import (
     OptimizerFactory,
@@ -13,6 +14,7 @@ from hf_stable.optim.table import format_group_table, group_table, save_group_ta
 
 __all__ = [
     "ROLES",
+    "FusedAdamW",
     "OptimizerFactory",
     "PhasedOptimizer",
     "Role",

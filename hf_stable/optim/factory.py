@@ -14,6 +14,7 @@ import torch
 from hf_stable.config.optim import OptimConfig
 from hf_stable.errors import ConfigError
 from hf_stable.optim.bnb import BNB_OPTIMIZERS, bnb_optimizer
+from hf_stable.optim.fused_adamw import FusedAdamW
 from hf_stable.optim.groups import BaseHyperparameters, check_config, param_groups, resolve_hyperparameters
 
 
@@ -114,14 +115,10 @@ def optimizer_over_groups(
         hp = dataclasses.replace(hp, fp16=True)
 
     if name == "adamw":
-        return torch.optim.AdamW(
-            groups,
-            lr=hp.lr,
-            betas=hp.betas,
-            eps=guarded_eps(cfg, hp),
-            weight_decay=hp.weight_decay,
-            **adamw_kernel(cfg, groups),
-        )
+        kernel = adamw_kernel(cfg, groups)
+        # fused: torch's kernel, every group stepped in one pass (`optim.fused_adamw`, bit for bit torch's AdamW)
+        cls = FusedAdamW if kernel.get("fused") else torch.optim.AdamW
+        return cls(groups, lr=hp.lr, betas=hp.betas, eps=guarded_eps(cfg, hp), weight_decay=hp.weight_decay, **kernel)
     if name == "lion":
         from lion_pytorch import Lion
 

@@ -160,7 +160,7 @@ class PhasedOptimizer(torch.optim.Optimizer):
         self._sync()
 
 
-_NAME_OF = {"AdamW": "adamw", "SGD": "sgd", "Lion": "lion"}
+_NAME_OF = {"AdamW": "adamw", "FusedAdamW": "adamw", "SGD": "sgd", "Lion": "lion"}
 
 
 def wrap_for_phases(optimizer: torch.optim.Optimizer, phases_cfg, optim_cfg=None, args=None) -> PhasedOptimizer:

@@ -43,6 +43,8 @@ def optimizer_class(optimizer) -> str:
     if isinstance(names, list) and hasattr(inner, "current"):  # a PhasedOptimizer: phase 0 runs first
         return f"{optimizer_class(inner.current)} (phases: {' -> '.join(names)})"
     cls = type(inner)
+    if cls.__name__ == "FusedAdamW" and cls.__module__.startswith("hf_stable"):
+        return "torch.optim.AdamW (fused kernel, every group in one pass: hf_stable.optim.FusedAdamW)"
     module = cls.__module__.split(".")
     package = ".".join(module[:2]) if module[0] in ("torch", "bitsandbytes") else module[0]
     return f"{package}.{cls.__name__}"
