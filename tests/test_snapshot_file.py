@@ -79,3 +79,34 @@ def test_a_planted_pickle_is_refused_naming_the_file_and_never_runs(tmp_path, ca
         store.load()
     (line,) = capsys.readouterr().err.splitlines()
     assert stop.value.code == 2 and line.startswith(f"error: rollback snapshot {path}") and not marker.exists()
+
+
+def _train_step(params, opt):
+    opt.zero_grad()
+    sum((p**2).sum() for p in params).backward()
+    opt.step()
+
+
+def test_memory_snapshot_refills_its_buffers_and_restores_the_latest_snapshot_only():
+    params, opt = _optimizer()
+    store = SnapshotStore("memory")
+    store.save(2, opt, guard_states={})
+    first = [id(t) for t in store._buffers]
+    _train_step(params, opt)
+    store.save(3, opt, guard_states={"SkipGuard": {"ema": 2.0}})
+    assert [id(t) for t in store._buffers] == first  # refilled, not reallocated
+    at_3 = [p.detach().clone() for p in params]
+    state_3 = {i: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for i, p in enumerate(params)}
+    for _ in range(2):  # the live tensors move on; the snapshot does not move with them
+        _train_step(params, opt)
+    assert not torch.equal(params[0], at_3[0])
+    step, same_opt, guards = store.restore(opt)
+    assert (step, same_opt, guards) == (3, True, {"SkipGuard": {"ema": 2.0}})
+    assert all(torch.equal(p, w) for p, w in zip(params, at_3, strict=True))
+    for i, p in enumerate(params):
+        for key, value in state_3[i].items():
+            assert torch.equal(opt.state[p][key], value), (i, key)
+    assert opt.state[params[1]]["note"] == {"python": 3, "values": [1.5, "x"]}
+    _train_step(params, opt)  # restoring copied out of the buffers: training on does not write into them
+    store.restore(opt)
+    assert all(torch.equal(p, w) for p, w in zip(params, at_3, strict=True))
