@@ -232,3 +232,14 @@ def test_a_softcap_lowers_the_level_to_the_cap():
     assert cb.level == 30.0 and cb.growth_floor == 15.0
     cb._observe(10, {0: 31.0})
     assert [e["kind"] for e in cb.events] == ["attn_logit_high"]
+
+
+def test_head_max_logits_is_the_max_of_the_scaled_masked_logits_bit_for_bit():
+    torch.manual_seed(0)
+    q, k = torch.randn(3, 8, 40, 16) * 3, torch.randn(3, 2, 40, 16) * 3  # GQA: 4 query heads per key head
+    scaling = 16**-0.5
+    logits = (q.reshape(3, 2, 4, 40, 16) @ k.unsqueeze(2).transpose(-1, -2)) * scaling
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    expected = logits.masked_fill(~causal, float("-inf")).amax(dim=(0, 3, 4)).reshape(8)
+    for chunk in (1 << 26, 3 * 8 * 40 * 7):  # whole, and 7 query rows at a time
+        assert torch.equal(head_max_logits(q, k, None, scaling, chunk_elements=chunk), expected)

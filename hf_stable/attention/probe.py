@@ -54,18 +54,23 @@ def head_max_logits(
     real_rows = None
     if mask is not None and mask.dtype == torch.bool and q_len == k_len:
         real_rows = mask.diagonal(dim1=-2, dim2=-1)[..., None]  # [B, 1|H, q, 1]
+    # A positive scaling is applied to the maxima, not to every logit: rounding `scaling * x` is monotonic in x, so
+    # the max of the scaled logits and the scaled max are the same float (one pass over the logits fewer).
+    late = scaling > 0
     for start in range(0, q_len, rows_per_chunk):
         rows = slice(start, min(q_len, start + rows_per_chunk))
-        logits = torch.matmul(q5[:, :, :, rows], kt).float() * scaling  # [B, KV, G, r, k]
+        logits = torch.matmul(q5[:, :, :, rows], kt).float()  # [B, KV, G, r, k]
+        if not late:
+            logits = logits * scaling
         allowed = allowed_rows(
             mask, rows, q_len, k_len, query.device, causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window
         )
         if real_rows is not None:
             allowed = allowed & real_rows[..., rows, :]
-        if allowed is not None:
-            logits = logits.masked_fill(~per_group(allowed, heads, kv_heads, groups), float("-inf"))
+        if allowed is not None:  # in place: the chunk's logits are ours
+            logits.masked_fill_(~per_group(allowed, heads, kv_heads, groups), float("-inf"))
         best = torch.maximum(best, logits.amax(dim=(0, 3, 4)))
-    return best.reshape(heads)
+    return (best * scaling if late else best).reshape(heads)
 
 
 class LogitProbe:

@@ -17,6 +17,18 @@ from hf_stable.core.grad_report import DeviceGradStats, GradReport
 from hf_stable.distributed import all_gather_tensor, rank
 
 
+_CONSTANTS: dict = {}
+
+
+def _constant(values: tuple[float, ...], device) -> torch.Tensor:
+    """A small constant float32 vector on `device`, made once (read only: `torch.cat` copies it)."""
+    key = (values, str(device))
+    out = _CONSTANTS.get(key)
+    if out is None:
+        out = _CONSTANTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return out
+
+
 class GradRows:
     """Mixin of `GradStats` (which provides `engine`, `_sources`, `_group_names`, `_ensure_entries`, `_present`,
     `_param_max_abs`, `_dev_key` and the step's rank-agreed `_agreed_*` state it initialises and resets)."""
@@ -30,10 +42,10 @@ class GradRows:
         return keys, vals
 
     @staticmethod
-    def _best(values: torch.Tensor) -> list[torch.Tensor]:
-        """Largest finite value and its index (value -1 when none is finite), as two 1-element tensors."""
-        best = torch.max(torch.where(torch.isfinite(values), values, -1.0), dim=0)
-        return [best.values.reshape(1), best.indices.to(torch.float32).reshape(1)]
+    def _best(values: torch.Tensor) -> torch.Tensor:
+        """[largest finite value, its index] (value -1 when none is finite), as one 2-element tensor."""
+        best = torch.max(torch.nan_to_num(values, nan=-1.0, posinf=-1.0, neginf=-1.0), dim=0)
+        return torch.stack([best.values.float(), best.indices.float()])
 
     # Layout of one rank's vector: group norms [G], non-finite counts [G], then _TAIL named slots, then the extras.
     _TAIL = ("global", "top_norm", "top_arg", "available", "has_max", "max_abs", "max_arg")
@@ -45,8 +57,8 @@ class GradRows:
     def _max_part(dev: DeviceGradStats | None, per_tensor: torch.Tensor | None, device) -> torch.Tensor:
         """[has_max, max |g|, its index] of this rank (has_max 0 when the gradients were dropped)."""
         if dev is None or per_tensor is None:
-            return torch.tensor([0.0, -1.0, 0.0], device=device)
-        return torch.cat([torch.ones(1, device=device), *GradRows._best(per_tensor)])
+            return _constant((0.0, -1.0, 0.0), device)
+        return torch.cat([_constant((1.0,), device), GradRows._best(per_tensor)])
 
     def _local_vector(self, dev: DeviceGradStats | None, max_abs: bool, reuse_extras: bool = False):
         """(extras keys, this rank's vector); `reuse_extras` takes this rank's extras from the step's gathered row (the
@@ -55,18 +67,11 @@ class GradRows:
         n_groups = len(self._group_names)
         device = dev.global_norm.device if dev is not None else next((p.device for _, p, _ in entries), "cpu")
         if dev is None:
-            head = torch.zeros(2 * n_groups + 4, device=device)
-            head[2 * n_groups + 1] = -1.0  # no finite top norm
-        else:
-            head = torch.cat(
-                [
-                    dev.group_norms,
-                    dev.nonfinite,
-                    dev.global_norm.reshape(1),
-                    *self._best(dev.param_norms),
-                    torch.ones(1, device=device),
-                ]
-            )
+            head = [torch.zeros(2 * n_groups + 4, device=device)]
+            head[0][2 * n_groups + 1] = -1.0  # no finite top norm
+        else:  # (one cat for the whole vector below: each small op costs more than its arithmetic on CPU)
+            ones = _constant((1.0,), device)
+            head = [dev.group_norms, dev.nonfinite, dev.global_norm.reshape(1), self._best(dev.param_norms), ones]
         per_tensor = self._param_max_abs(dev) if (max_abs and dev is not None) else None
         if reuse_extras:
             first = 2 * n_groups + len(self._TAIL)
@@ -74,7 +79,7 @@ class GradRows:
             keys, extras = self._agreed_keys, [torch.tensor(saved, device=device)]
         else:
             keys, extras = self._extras(device)
-        parts = [head, self._max_part(dev, per_tensor, device), *extras]
+        parts = [*head, self._max_part(dev, per_tensor, device), *extras]
         if self.engine.sharded:  # each rank holds part of every tensor: its squared norms, summed over ranks
             parts.append(self._tensor_squares(dev, len(entries), device))
         return keys, torch.cat(parts)

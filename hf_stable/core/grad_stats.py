@@ -98,6 +98,9 @@ class GradStats(GradRows):
         # True when the Trainer takes these statistics before its own clip (`StableTrainer`): pre-clip numbers
         # even with `max_grad_norm > 0`.
         self.pre_clip = False
+        # The device statistics the last `compute` read (checked against the gradients then): a caller that needs
+        # both in one go takes them here instead of checking the gradients a second time.
+        self.last_device_stats: DeviceGradStats | None = None
 
     @classmethod
     def shared(cls, model: torch.nn.Module) -> GradStats:
@@ -329,7 +332,7 @@ class GradStats(GradRows):
         deferred reader asked for (`readers`) is taken in the same collective.
         """
         max_abs = max_abs or self.readers.wants_max_abs(step)
-        dev = self.device_stats(model, step)
+        dev = self.last_device_stats = self.device_stats(model, step)
         cached = self._host is not None and self._dev_key is not None and self._host_key is self._dev_key
         gather = self._needs_gather(step, max_abs)
         if gather:

@@ -204,7 +204,7 @@ class ClipGuard(StabilityCallback):
             return
         stats = GradStats.shared(model)
         report: GradReport = stats.compute(model, step=state.global_step)
-        dev = stats.device_stats(model, step=state.global_step)
+        dev = stats.last_device_stats  # what `compute` just checked and read
         if not report.available or dev is None:
             return
         coefs = self.coefficients(report.group_norms, report.global_norm)
