@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/stage_grpo.py [--sft outputs/default] [--seeds 0,1,2] [--set KEY=VALUE ...]
     OMP_NUM_THREADS=1 python benchmarks/stage_grpo.py --headroom 16 [--temperature 1.0]   # what GRPO can reinforce
+    OMP_NUM_THREADS=1 python benchmarks/stage_grpo.py --big-eval ...   # exact match on 567 held-out prompts, not 146
 
 Each seed is one recipe run (`scripts/finetune.py --config configs/grpo.yaml --training.seed S`) started from the
 same SFT output dir (made first with the default recipe when it is missing); `--set grpo.beta=0` and the like are
@@ -91,6 +92,33 @@ def headroom(sft: Path, k: int, temperature: float, n: int, overrides: list[str]
         )
 
 
+def big_heldout(path: Path) -> int:
+    """Write a held-out set larger than the SFT run's 200 prompts (where one prompt moves a family by 2-2.4 points):
+    the arithmetic / reversal / unit conversion prompts of `embedded:eval`, then those of
+    `scripts/make_dataset.py --n-eval 1200` (seed 0) that are in none of the shipped data files. Returns its size."""
+    from hf_stable.embedded.tasks import instruction_dataset
+
+    shipped = ROOT / "hf_stable/embedded/data"
+    key = lambda r: (r.get("instruction"), r.get("input"))
+    seen, first = set(), []
+    for name in ("train", "grpo", "eval", "pairs_train", "pairs_eval"):
+        for line in (shipped / f"{name}.jsonl").read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            seen.add(key(row))
+            if name == "eval" and row.get("family") in FAMILIES:
+                first.append(row)
+    _, more = instruction_dataset(0, 2000, 1200)
+    extra = []
+    for row in more:
+        if row.get("family") in FAMILIES and key(row) not in seen:
+            seen.add(key(row))
+            extra.append(row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in first + extra)
+    return len(first) + len(extra)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft", default="outputs/default", help="the SFT run's output dir (made when missing)")
@@ -100,8 +128,17 @@ def main() -> None:
     parser.add_argument("--label", default="grpo")
     parser.add_argument("--headroom", type=int, default=0, metavar="K", help="only measure pass@K of the SFT adapter")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of --headroom")
+    parser.add_argument(
+        "--big-eval",
+        action="store_true",
+        help="exact match on the larger held-out set (`big_heldout`, written to OUT/heldout_big.jsonl)",
+    )
     opts = parser.parse_args()
     overrides = []
+    if opts.big_eval:
+        path = ROOT / opts.out / "heldout_big.jsonl"
+        n = big_heldout(path)
+        overrides += ["--data.eval_file", str(path), "--evaluation.exact_match_samples", str(n)]
     for item in opts.set:
         key, _, value = item.partition("=")
         overrides += [f"--{key}", value]
