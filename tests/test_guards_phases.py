@@ -8,8 +8,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from hf_stable.callbacks.guards import LRControl, OptimizerPhaseGuard
-from hf_stable.compat import fused_optimizer_device_types
 from hf_stable.callbacks.guards.lr_control import unwrap_optimizer
+from hf_stable.compat import fused_optimizer_device_types
 from hf_stable.config import OptimConfig
 from hf_stable.config.guards import OptimizerPhasesConfig, PhaseConfig
 from hf_stable.core.events import read_events

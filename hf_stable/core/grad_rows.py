@@ -16,7 +16,6 @@ from hf_stable.core.grad_combine import worst as _worst
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
 from hf_stable.distributed import all_gather_tensor, rank
 
-
 _CONSTANTS: dict = {}
 
 

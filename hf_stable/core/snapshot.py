@@ -132,8 +132,10 @@ class SnapshotStore:
         """CPU copies of `sources`. The store holds one snapshot and `restore` only copies out of it, so the
         previous snapshot's buffers are reused when every shape and dtype matches (no allocation per tensor)."""
         old = self._buffers
-        if old is None or len(old) != len(sources) or any(
-            b.shape != t.shape or b.dtype != t.dtype for b, t in zip(old, sources, strict=True)
+        if (
+            old is None
+            or len(old) != len(sources)
+            or any(b.shape != t.shape or b.dtype != t.dtype for b, t in zip(old, sources, strict=True))
         ):
             self._buffers = [t.to("cpu", copy=True) for t in sources]
             return self._buffers
