@@ -243,3 +243,35 @@ def test_head_max_logits_is_the_max_of_the_scaled_masked_logits_bit_for_bit():
     expected = logits.masked_fill(~causal, float("-inf")).amax(dim=(0, 3, 4)).reshape(8)
     for chunk in (1 << 26, 3 * 8 * 40 * 7):  # whole, and 7 query rows at a time
         assert torch.equal(head_max_logits(q, k, None, scaling, chunk_elements=chunk), expected)
+
+
+def test_listed_pairs_give_the_chunked_paths_maximum_bit_for_bit():
+    """A packed and padded batch's mask (transformers' `[B, 1, T, T]`) takes the listed-pairs path: its per-head
+    maxima are the chunked path's floats; a mask shared by every layer is listed once and not kept alive."""
+    import gc
+    import weakref
+
+    from hf_stable.attention import probe as probe_module
+
+    torch.manual_seed(1)
+    batch, heads, kv_heads, t, d = 3, 8, 2, 37, 16
+    q, k = torch.randn(batch, heads, t, d) * 3, torch.randn(batch, kv_heads, t, d) * 3
+    seg = torch.tensor([[0] * 12 + [1] * 25, [0] * 30 + [1] * 7, [0] * 20 + [-1] * 17])  # -1: padding
+    pos = torch.arange(t)
+    mask = (seg[:, :, None] == seg[:, None, :]) & (pos[None, :] <= pos[:, None]) & (seg[:, None, :] >= 0)
+    mask = mask[:, None]  # [B, 1, T, T]; the padding rows allow nothing, not even themselves
+    scaling = d**-0.5
+    fast = head_max_logits(q, k, mask, scaling)
+    chunked = head_max_logits(q, k, mask, scaling, chunk_elements=batch * heads * t * 5)  # 5 query rows at a time
+    assert torch.equal(fast, chunked) and fast.shape == (heads,)
+    logits = (q.reshape(batch, kv_heads, 4, t, d) @ k.unsqueeze(2).transpose(-1, -2)).reshape(batch, heads, t, t)
+    assert torch.equal(fast, logits.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)) * scaling)
+    everything = logits.amax(dim=(0, 2, 3)) * scaling
+    assert (everything > fast).any()  # the pattern excluded a larger logit: the check has teeth
+    listed = probe_module._ALLOWED.get(mask, batch, heads, t, t)
+    assert listed is probe_module._ALLOWED.get(mask, batch, heads, t, t)  # a second layer reuses the list
+    assert listed.shape == (int(mask.sum()), heads)  # every real query may attend to itself: no row left out
+    held = weakref.ref(mask)
+    del mask
+    gc.collect()
+    assert held() is None  # the cache holds the mask weakly

@@ -14,6 +14,8 @@ the raw value is what QK-clip has to keep under its threshold.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from hf_stable.attention.masks import allowed_rows, per_group
@@ -42,6 +44,10 @@ def head_max_logits(
     batch, heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
+    if scaling > 0 and batch * heads * q_len * k_len <= chunk_elements:
+        where = _ALLOWED.get(mask, batch, heads, q_len, k_len)
+        if where is not None:  # the allowed pairs of a one-chunk pattern, listed once per mask (not per layer)
+            return _gathered_max(query, key, where, scaling)
     # fp32 logits; on CUDA, half-precision inputs keep their dtype for the matmul (tensor cores, fp32
     # accumulation) and the maximum carries bf16/fp16 output rounding (~0.4 %), fine for a monitor.
     work = query.dtype if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else torch.float32
@@ -71,6 +77,64 @@ def head_max_logits(
             logits.masked_fill_(~per_group(allowed, heads, kv_heads, groups), float("-inf"))
         best = torch.maximum(best, logits.amax(dim=(0, 3, 4)))
     return (best * scaling if late else best).reshape(heads)
+
+
+_GATHER_LIMIT = 1 << 21  # index entries (int64, 16 MiB) a pair list may hold; larger patterns take the chunked path
+
+
+class AllowedPairs:
+    """The flat positions, in `[B, H, q, k]` logits, of every (query head, allowed pair) of the last few masks.
+
+    One forward builds one mask and hands it to every layer, so the pattern is turned into indices once per
+    forward instead of being sliced, combined and broadcast over each layer's logits. Only a boolean 4D mask
+    shared by all heads and given per row (`[B, 1, q, k]`, transformers' own) with queries and keys aligned is listed; masks are
+    held by weak reference (a cached list never keeps a `B x T x T` mask alive).
+    """
+
+    def __init__(self, size: int = 2):
+        self._size = size
+        self._entries: list[tuple[weakref.ref, int, torch.Tensor | None]] = []
+
+    def get(self, mask: torch.Tensor | None, batch: int, heads: int, q_len: int, k_len: int) -> torch.Tensor | None:
+        """`[n, heads]` int64 positions, or None (not listable: the caller takes the chunked path)."""
+        if mask is None or mask.dtype != torch.bool or q_len != k_len or tuple(mask.shape) != (batch, 1, q_len, k_len):
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        for held, h, where in self._entries:
+            if held() is mask and h == heads:
+                return where
+        where = self._list(mask, heads)
+        live = [e for e in self._entries if e[0]() is not None]
+        self._entries = [(weakref.ref(mask), heads, where), *live[: self._size - 1]]
+        return where
+
+    @staticmethod
+    def _list(mask: torch.Tensor, heads: int) -> torch.Tensor | None:
+        q_len, k_len = mask.shape[-2:]
+        # a padding query (one that may not attend to itself) is left out, as on the chunked path
+        allowed = mask & mask.diagonal(dim1=-2, dim2=-1)[..., None]
+        b, _, q, k = allowed.nonzero(as_tuple=True)
+        if b.numel() == 0 or b.numel() * heads > _GATHER_LIMIT:
+            return None
+        plane = q_len * k_len
+        flat = b * (heads * plane) + q * k_len + k
+        return flat[:, None] + torch.arange(heads, device=mask.device)[None, :] * plane
+
+
+_ALLOWED = AllowedPairs()
+
+
+def _gathered_max(query: torch.Tensor, key: torch.Tensor, where: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`head_max_logits` for a pattern listed by `AllowedPairs`: one batched matmul for every head's logits, then the
+    maximum over the listed positions only (the maximum the chunked path takes after masking the rest with -inf)."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    work = query.dtype if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    q3 = query.detach().to(work).reshape(batch * kv_heads, (heads // kv_heads) * q_len, dim)
+    k3 = key.detach().to(work).reshape(batch * kv_heads, k_len, dim).transpose(1, 2)
+    logits = torch.bmm(q3, k3)  # [B * KV, G * q, k]: the [B, H, q, k] logits, heads of a group consecutive
+    return logits.reshape(-1).take(where).float().amax(dim=0) * scaling
 
 
 class LogitProbe:
