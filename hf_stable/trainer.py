@@ -107,6 +107,11 @@ class StableTrainer(Trainer):
         return super().save_state()
 
     def _reads_gradients(self, model) -> bool:
+        """Whether the step's norm comes from `GradStats`; decided on the run's first step and kept for the run (the
+        launcher, the engine and the gradients' meshes do not change after setup; asking costs ~60 us a step)."""
+        cached = getattr(self, "_reads_of", None)
+        if cached is not None and cached[0] is model:
+            return cached[1]
         from accelerate.utils import DistributedType
         from transformers.utils import is_sagemaker_mp_enabled
 
@@ -114,8 +119,11 @@ class StableTrainer(Trainer):
             DistributedType.DEEPSPEED,
             DistributedType.XLA,
         ):
-            return False  # DeepSpeed: the engine's own norm of the step it made
-        return not has_mixed_mesh_grads(self, model)
+            reads = False  # DeepSpeed: the engine's own norm of the step it made
+        else:
+            reads = not has_mixed_mesh_grads(self, model)
+        self._reads_of = (model, reads)
+        return reads
 
     def _shared_norm(self, model, max_norm: float | None) -> torch.Tensor | None:
         """The step's global gradient norm from `GradStats` (clipping to `max_norm` after reading); None: fall back."""
@@ -142,7 +150,7 @@ class StableTrainer(Trainer):
             for p in dev.params:
                 if p.grad is not None:
                     by_device.setdefault(p.grad.device, []).append(p.grad)
-            with stats.edited(self.state.global_step, coef):  # our own clip: the statistics stay pre-clip
+            with stats.edited(self.state.global_step, coef, read=dev):  # our own clip: the statistics stay pre-clip
                 for device, grads in by_device.items():
                     foreach_mul_(grads, coef.to(device))
         return dev.global_norm
@@ -297,6 +305,7 @@ class StableTrainer(Trainer):
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
         self._params_of = None  # a new run lists the model's parameters again (`_every_param`)
+        self._reads_of = None  # and decides again whether the step's norm is read from `GradStats`
         acc = self._accumulation_control()
         if acc is None or resume_from_checkpoint is None or self.state.global_step == 0 or self.args.ignore_data_skip:
             return epochs, skip

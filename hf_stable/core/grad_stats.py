@@ -31,12 +31,13 @@ from hf_stable.compat import foreach_norm, tensor_versions
 from hf_stable.core.engine import StepEngine
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
 from hf_stable.core.grad_rows import GradRows
+from hf_stable.core.model_table import ModelTable
 from hf_stable.core.step_readers import StepReaders
 from hf_stable.optim.roles import group_parameters
 
 __all__ = ["DeviceGradStats", "GradReport", "GradStats"]
 
-_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SHARED = ModelTable()
 _PLAIN = StepEngine()
 
 
@@ -137,12 +138,17 @@ class GradStats(GradRows):
         self._agreed_step, self._agreed_rows, self._agreed_keys, self._agreed_max = None, None, [], False
 
     @contextlib.contextmanager
-    def edited(self, step: int, scale: torch.Tensor | None = None):
+    def edited(self, step: int, scale: torch.Tensor | None = None, read: DeviceGradStats | None = None):
         """Context for hf_stable's own in-place edit of the step's gradients (a clip): the cached statistics stay
         the step's (pre-edit) numbers instead of being recomputed. `scale` (a device scalar, or one factor per
         entry of `device_stats().params`) is what the gradients were multiplied by: a max |g| read later, or a
-        recomputation after a foreign edit, is divided by it, so readers stay on the pre-clip scale."""
-        valid = self._dev is not None and self._hit(self._dev_key, step)
+        recomputation after a foreign edit, is divided by it, so readers stay on the pre-clip scale. `read`: the
+        statistics the caller has just taken of step `step` with nothing run in between (its own clip follows), so
+        they are not checked against the gradients again."""
+        if read is not None and read is self._dev and self._dev_key is not None and self._dev_key[0] == step:
+            valid = True
+        else:
+            valid = self._dev is not None and self._hit(self._dev_key, step)
         yield
         if valid:
             dev = self._dev

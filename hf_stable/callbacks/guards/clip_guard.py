@@ -213,12 +213,12 @@ class ClipGuard(StabilityCallback):
             # our own edit: the step's statistics stay pre-clip (a later max |g| is divided by the group's factor;
             # AGC's per-row factors are not undone)
             scale = None
-            if clipped:  # per tensor: its group's factor (indexed on device by the statistics' group index)
-                home = dev.param_norms.device
-                by_group = torch.tensor([coefs.get(g, 1.0) for g in dev.groups], dtype=torch.float32, device=home)
-                scale = by_group[dev.group_index.to(home)]
+            if clipped:  # per tensor: its group's factor
+                by_group = [coefs.get(g, 1.0) for g in dev.groups]
+                factors = [by_group[gi] for gi in dev.group_ids]
+                scale = torch.tensor(factors, dtype=torch.float32, device=dev.param_norms.device)
             engine = stats.engine
-            with stats.edited(state.global_step, scale):
+            with stats.edited(state.global_step, scale, read=dev):  # `dev`: what `compute` just checked
                 self._apply(dev, coefs, engine)
                 if self.agc_lambda is not None and engine.whole_rows:
                     self._agc(dev, engine)
