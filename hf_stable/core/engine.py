@@ -28,13 +28,12 @@ Private DeepSpeed attributes are read through `hf_stable.compat`.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from hf_stable import compat
+from hf_stable.core.model_table import ModelTable
 
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ENGINES = ModelTable()
 
 
 def _is_dtensor(t) -> bool:

@@ -34,7 +34,9 @@ import weakref
 
 import torch
 
-_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from hf_stable.core.model_table import ModelTable
+
+_SHARED = ModelTable()
 RECORD_IDS_KEY = "record_ids"  # the batch key the train collators use (see hf_stable.data.identity)
 
 
