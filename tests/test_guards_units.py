@@ -371,3 +371,41 @@ def test_a_grad_spike_before_the_noise_estimate_exists_is_reported_without_one()
     skip._norms.clear()  # as right after a reference reset
     verdict = skip.decide(4, skip.local_flags(50.0, 2.0), 50.0, 2.0)
     assert verdict.reasons == ["grad_spike"] and "grad_z" not in skip.events[-1]["noise"]
+
+
+def test_a_log_window_gives_the_logs_taken_on_demand_through_fill_overflow_and_bad_values():
+    """The skip guard's and loss monitor's windows keep each value's log as it arrives: at every point the logs are
+    the floats `math.log` gives on demand (None while a value <= 0 or NaN is inside), after copies and a clear."""
+    import copy
+    import math
+    import pickle
+
+    import pytest
+
+    from hf_stable.core.step_noise import LogWindow, logs_of
+
+    def on_demand(values):
+        values = list(values)
+        return [math.log(x) for x in values] if all(x > 0 for x in values) else None
+
+    rng = random.Random(0)
+    window = LogWindow(maxlen=5)
+    assert logs_of(window) == []
+    values = [rng.uniform(0.1, 9.0) for _ in range(12)] + [0.0] + [rng.uniform(0.1, 9.0) for _ in range(3)]
+    values += [math.nan] + [rng.uniform(0.1, 9.0) for _ in range(6)] + [-1.0]
+    seen_none = seen_back = False
+    for i, x in enumerate(values):
+        window.append(x)
+        assert len(window) == min(i + 1, 5) and window[-1] is x
+        got = logs_of(window)
+        assert got == on_demand(window)
+        seen_none |= got is None
+        seen_back |= seen_none and got is not None  # the bad value fell out of the window: logs again
+    assert seen_none and seen_back
+    for clone in (copy.copy(window), copy.deepcopy(window), pickle.loads(pickle.dumps(window)), LogWindow(window, 5)):
+        assert isinstance(clone, LogWindow) and list(clone) == list(window) and logs_of(clone) == on_demand(window)
+    window.clear()
+    window.append(2.0)
+    assert logs_of(window) == [math.log(2.0)]
+    with pytest.raises(TypeError):
+        window.popleft()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 
 from hf_stable.core.monitor_utils import robust_zscore
 
@@ -21,8 +22,60 @@ def robust_scale(xs: list[float]) -> float:
     return 1.4826 * median([abs(x - med) for x in xs])
 
 
+class LogWindow(deque):
+    """A bounded window of floats (a `deque` with `maxlen`) that takes each value's log once, as it arrives.
+
+    The guards and monitors judge a step against the logs of their window; recomputing every log at every step cost
+    more than the rest of the rule. `logs_of(window)` gives the same floats as logs taken on demand. Only `append`,
+    `extend` and `clear` change a window (anything else raises): a window is replaced, not edited.
+    """
+
+    def __init__(self, values=(), maxlen: int | None = None):
+        super().__init__(values, maxlen)
+        self._logs: deque = deque((math.log(x) if x > 0 else None for x in self), maxlen=maxlen)
+        self._bad = sum(1 for x in self if not x > 0)  # values <= 0 (or NaN): the window has no logs
+
+    def append(self, x) -> None:
+        if self.maxlen == 0:
+            return
+        if len(self) == self.maxlen and not self[0] > 0:
+            self._bad -= 1  # the oldest value falls out
+        super().append(x)
+        if x > 0:
+            self._logs.append(math.log(x))
+        else:
+            self._logs.append(None)
+            self._bad += 1
+
+    def clear(self) -> None:
+        super().clear()
+        self._logs.clear()
+        self._bad = 0
+
+    def extend(self, values) -> None:
+        for x in values:
+            self.append(x)
+
+    def logs(self) -> list[float] | None:
+        return None if self._bad else list(self._logs)
+
+    def __reduce__(self):  # copies and pickles are rebuilt from the values (their logs taken afresh)
+        return type(self), (list(self), self.maxlen)
+
+    def __copy__(self):
+        return type(self)(self, self.maxlen)
+
+    def _edit(self, *args, **kwargs):
+        raise TypeError("a LogWindow changes only by append(), extend() and clear(): build a new one instead")
+
+    appendleft = extendleft = insert = pop = popleft = remove = reverse = rotate = _edit
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _edit
+
+
 def logs_of(xs) -> list[float] | None:
     """The logs of a positive history (None when some value is <= 0: a custom loss)."""
+    if isinstance(xs, LogWindow):
+        return xs.logs()
     xs = list(xs)
     return [math.log(x) for x in xs] if all(x > 0 for x in xs) else None
 

@@ -39,7 +39,7 @@ from hf_stable.callbacks.guards.skip_rules import _MID_BETA, _RISE_STEPS, SkipRu
 from hf_stable.config.guards import SkipConfig
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.rank_agreement import GuardOrderError, drop_gradients
-from hf_stable.core.step_noise import explain
+from hf_stable.core.step_noise import LogWindow, explain
 from hf_stable.core.step_tap import StepTapUser
 from hf_stable.distributed import is_distributed
 
@@ -85,8 +85,8 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         self._spike_streak = 0
         self._norm_ema: float | None = None
         self._accepted = 0
-        self._losses: deque[float] = deque(maxlen=window)
-        self._norms: deque[float] = deque(maxlen=window)
+        self._losses: LogWindow = LogWindow(maxlen=window)  # (their logs taken once: `core.step_noise`)
+        self._norms: LogWindow = LogWindow(maxlen=window)
         self._skipped_total = 0
         self._skipped_steps: deque[int] = deque(maxlen=_KEEP_STEPS)  # bounded: a run may skip for days
         self._off_reason: str | None = None
@@ -121,8 +121,8 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         ema = state.get("norm_ema")
         self._norm_ema = None if ema is None else float(ema)
         self._accepted = int(state.get("accepted", 0))
-        self._losses = deque((float(x) for x in state.get("losses", [])), maxlen=self.window)
-        self._norms = deque((float(x) for x in state.get("norms", [])), maxlen=self.window)
+        self._losses = LogWindow((float(x) for x in state.get("losses", [])), maxlen=self.window)
+        self._norms = LogWindow((float(x) for x in state.get("norms", [])), maxlen=self.window)
         self._spike_streak = int(state.get("spike_streak", 0))
         self._recent = deque((float(x) for x in state.get("recent", [])), maxlen=_RISE_STEPS)
         self._loss_mid = None if state.get("loss_mid") is None else float(state["loss_mid"])
@@ -182,8 +182,8 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
             self.load_stats_state(snapshot_stats)
         else:
             self._norm_ema = self._loss_mid = None
-            self._losses = deque(maxlen=self.window)
-            self._norms = deque(maxlen=self.window)
+            self._losses = LogWindow(maxlen=self.window)
+            self._norms = LogWindow(maxlen=self.window)
             self._mid_hist = deque(maxlen=self.window)
         self._recent.clear()
         self._spike_streak = 0
@@ -241,8 +241,8 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
                     reasons=reasons,
                 )
                 reasons = []
-                self._norm_ema, self._losses, self._spike_streak = None, deque(maxlen=self.window), 0
-                self._norms = deque(maxlen=self.window)
+                self._norm_ema, self._losses, self._spike_streak = None, LogWindow(maxlen=self.window), 0
+                self._norms = LogWindow(maxlen=self.window)
                 self._loss_mid = None
                 self._recent.clear()
                 self._mid_hist = deque(maxlen=self.window)

@@ -26,7 +26,7 @@ from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.config.stability import LossMonitorConfig
 from hf_stable.core.grad_stats import GradStats
 from hf_stable.core.monitor_utils import AlertGate, robust_zscore
-from hf_stable.core.step_noise import log_z, median
+from hf_stable.core.step_noise import LogWindow, log_z, median
 from hf_stable.core.step_tap import StepTapUser
 
 
@@ -47,7 +47,7 @@ class LossMonitor(StepTapUser, StabilityCallback):
         super().__init__()
         cfg = self._use_config(LossMonitorConfig, config, overrides)
         self._gate = AlertGate(cfg.cooldown_steps)
-        self._history: deque[float] = deque(maxlen=cfg.spike_window)
+        self._history: LogWindow = LogWindow(maxlen=cfg.spike_window)  # (logs taken once: `core.step_noise`)
         self._interval: list[float] = []
         self._checks: deque[float] = deque(maxlen=3)
         self._curv_streak = 0
@@ -67,7 +67,7 @@ class LossMonitor(StepTapUser, StabilityCallback):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._history = deque((float(x) for x in state.get("history", [])), maxlen=self.spike_window)
+        self._history = LogWindow((float(x) for x in state.get("history", [])), maxlen=self.spike_window)
         self._interval = [float(x) for x in state.get("interval", [])]
         self._checks = deque((float(x) for x in state.get("checks", [])), maxlen=3)
         self._curv_streak = int(state.get("curv_streak", 0))
@@ -85,7 +85,7 @@ class LossMonitor(StepTapUser, StabilityCallback):
             return events  # NonFiniteLocator reports it; keep it out of the statistics
         if len(self._history) >= self.spike_min_history:
             history = list(self._history)
-            z = log_z(loss, history)  # losses spread multiplicatively (a hard record is 3x the median, not +2)
+            z = log_z(loss, self._history)  # losses spread multiplicatively (a hard record is 3x the median, not +2)
             mid = median(history)
             big = loss > mid * (1 + self.spike_min_rel) if z is not None else True
             if z is None:  # a loss that can be <= 0 (a custom objective): the plain robust z-score
