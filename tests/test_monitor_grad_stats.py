@@ -195,3 +195,27 @@ def test_a_gradient_edited_after_the_statistics_is_seen_by_the_next_reader(token
     stats.begin_step()
     _backward(model, seed=2)
     assert stats.compute(model, step=6).available and len(calls) == 2
+
+
+def test_the_per_model_table_remembers_its_last_lookup_weakly():
+    """`GradStats.shared` answers a repeated model from its last lookup, a new entry replaces it, and neither the
+    model nor its statistics outlive their last outside reference."""
+    import gc
+    import weakref
+
+    from hf_stable.core.model_table import ModelTable
+
+    table = ModelTable()
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    first = GradStats(a)
+    table[a] = first
+    assert table.get(a) is first and table.get(a) is first and table.get(b) is None
+    second = GradStats(a)
+    table[a] = second  # replacing the entry forgets the remembered one
+    assert table.get(a) is second
+    held_model, held_stats = weakref.ref(a), weakref.ref(second)
+    del a, first, second
+    gc.collect()
+    assert held_model() is None and held_stats() is None and len(table) == 0
+    shared = GradStats.shared(b)
+    assert GradStats.shared(b) is shared
