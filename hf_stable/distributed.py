@@ -171,6 +171,14 @@ def all_gather_tensor(tensor):
     return out.to(tensor.device, copy=True).reshape(dist.get_world_size(), *tensor.shape)
 
 
+def all_gather_lists(tensor) -> list[list]:
+    """`all_gather_tensor(tensor).tolist()` of a vector: every rank's values, one list per rank, on every rank (one
+    process: the one list, without the leading dimension's op)."""
+    if not is_distributed():
+        return [tensor.tolist()]
+    return all_gather_tensor(tensor).tolist()
+
+
 def all_gather_rows(local, fill: float = -1.0):
     """Every rank's rows ``[n_r, w]`` (the counts may differ) on every rank, ``[world_size * max n_r, w]``: each
     rank's block padded with rows of `fill` to the largest count. ``[0, w]`` when no rank has a row (then nothing is

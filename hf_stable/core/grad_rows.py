@@ -14,7 +14,7 @@ from hf_stable.core.grad_combine import fill_max_abs, sharded_report
 from hf_stable.core.grad_combine import param_name as _name
 from hf_stable.core.grad_combine import worst as _worst
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
-from hf_stable.distributed import all_gather_tensor, rank
+from hf_stable.distributed import all_gather_lists, all_gather_tensor, rank
 
 _CONSTANTS: dict = {}
 
@@ -33,12 +33,15 @@ class GradRows:
     `_param_max_abs`, `_dev_key` and the step's rank-agreed `_agreed_*` state it initialises and resets)."""
 
     def _extras(self, device) -> tuple[list[str], list[torch.Tensor]]:
+        """(keys, [one vector of their values]) of the sources' scalars ([] without any)."""
         keys, vals = [], []
         for fn in self._sources.values():
             for k, v in (fn() or {}).items():
                 keys.append(k)
-                vals.append(v.detach().to(device=device, dtype=torch.float32).reshape(1))
-        return keys, vals
+                v = v.to(device=device, dtype=torch.float32)  # (the same tensor when it is already: no op)
+                v = v.detach() if v.requires_grad else v
+                vals.append(v if v.dim() == 0 else v.reshape(()))
+        return keys, [torch.stack(vals)] if vals else []
 
     @staticmethod
     def _best(values: torch.Tensor) -> torch.Tensor:
@@ -116,7 +119,7 @@ class GradRows:
                 row[start : start + 3] = values
         else:
             keys, vector = self._local_vector(dev, max_abs)
-            self._agreed_rows = all_gather_tensor(vector).tolist()  # the single device→host transfer
+            self._agreed_rows = all_gather_lists(vector)  # the single device→host transfer
             self.row_gathers += 1
             self._agreed_keys, self._agreed_step, self._agreed_dev_key = keys, step, self._dev_key
         self._agreed_max = max_abs

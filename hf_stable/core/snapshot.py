@@ -87,9 +87,11 @@ class SnapshotStore:
         to_cpu = self.storage != "disk" or self.path is None
 
         sources: list[torch.Tensor] = []  # every tensor kept, in the order `keep` met them
+        # host copies are made under no_grad: the tensors are read as they are; the disk file gets detached ones
+        local_of = engine.local_no_grad if to_cpu else engine.local
 
         def keep(t: torch.Tensor) -> torch.Tensor:
-            local = engine.local(t)
+            local = local_of(t)
             sources.append(local)
             return local
 
@@ -137,7 +139,8 @@ class SnapshotStore:
             or len(old) != len(sources)
             or any(b.shape != t.shape or b.dtype != t.dtype for b, t in zip(old, sources, strict=True))
         ):
-            self._buffers = [t.to("cpu", copy=True) for t in sources]
+            with torch.no_grad():
+                self._buffers = [t.to("cpu", copy=True) for t in sources]
             return self._buffers
         with torch.no_grad():
             torch._foreach_copy_(old, sources)

@@ -117,7 +117,7 @@ class UpdateMonitor(StabilityCallback):
             return
         engine = StepEngine.of(model)
         with torch.no_grad():
-            self._snapshot = foreach_copy([engine.local(p) for p in params])
+            self._snapshot = foreach_copy([engine.local_no_grad(p) for p in params])
         stats = GradStats.shared(model)
         if engine.sharded:  # the local norms are parts: the step's report has the sums over ranks
             read = lambda: self._read_sharded(stats, model, state)
@@ -147,7 +147,7 @@ class UpdateMonitor(StabilityCallback):
         if not judged:
             return
         with torch.no_grad():
-            current = [engine.local(p) for p in params]
+            current = [engine.local_no_grad(p) for p in params]
             delta = foreach_sub(current, snapshot)
             d = torch.stack(foreach_norm(delta, 2.0)).square()
             w = torch.stack(foreach_norm(current, 2.0)).square()
