@@ -157,8 +157,17 @@ class GradRows:
             step=step,
             available=True,
             global_norm=_worst(rank_norms),
-            group_norms={dev.groups[g]: _worst([row[g] for row in rows]) for g in present},
-            nonfinite={dev.groups[g]: int(max(row[n_groups + g] for row in rows)) for g in present},
+            **(
+                {  # one rank: each statistic is its own worst
+                    "group_norms": {dev.groups[g]: rows[0][g] for g in present},
+                    "nonfinite": {dev.groups[g]: int(rows[0][n_groups + g]) for g in present},
+                }
+                if len(rows) == 1
+                else {
+                    "group_norms": {dev.groups[g]: _worst([row[g] for row in rows]) for g in present},
+                    "nonfinite": {dev.groups[g]: int(max(row[n_groups + g] for row in rows)) for g in present},
+                }
+            ),
             max_param_norm=top_norm if top_norm >= 0 else math.nan,
             max_norm_param=_name(dev, top_arg) if top_norm >= 0 else None,
             n_tensors=len(dev.names),

@@ -215,7 +215,12 @@ class StepTap:
         loss = _loss_of(output)
         if loss is None:
             return
-        loss = loss.detach().to(torch.float32).reshape(())
+        with torch.no_grad():  # (no `detach` op per forward: nothing below is recorded)
+            self._add_loss(loss.to(torch.float32), kwargs)
+        self.n_losses += 1
+
+    def _add_loss(self, loss: torch.Tensor, kwargs: dict) -> None:
+        loss = loss if loss.dim() == 0 else loss.reshape(())
         labels = kwargs.get("shift_labels")
         if not isinstance(labels, torch.Tensor):
             labels = kwargs.get("labels")
@@ -229,8 +234,6 @@ class StepTap:
         total = loss * weight
         self._num = total if self._num is None else self._num + total
         self._den = tokens if isinstance(self._den, float) else self._den + tokens
-        self.n_losses += 1
-        return
 
     def device_scalars(self) -> dict[str, torch.Tensor]:
         """`loss_num` and `loss_den` as device tensors; zeros when no loss was seen (the keys are always there,

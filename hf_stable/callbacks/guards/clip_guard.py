@@ -142,10 +142,11 @@ class ClipGuard(StabilityCallback):
         self._members_of = (dev.group_ids, out)
         return out
 
-    def _apply(self, dev, coefs: dict[str, float], engine: StepEngine) -> None:
+    def _apply(self, dev, coefs: dict[str, float], engine: StepEngine, shared: torch.Tensor | None = None) -> None:
         """Scale each clipped group's gradients by its factor: one foreach call per distinct factor and device (one in
         all when the global cap sets every factor), the factor a 0-d tensor (on CPU torch's foreach multiply by a
-        Python number is ~4x slower than by a tensor; same bits)."""
+        Python number is ~4x slower than by a tensor; same bits). `shared`: the one factor every tensor takes, as a
+        0-d tensor already made (used on its own device)."""
         grads = engine.local_grads(dev.params)
         by_factor: dict[tuple, list[int]] = {}
         for gi, runs in self._members(dev).items():
@@ -156,7 +157,8 @@ class ClipGuard(StabilityCallback):
         for (c, device), idx in by_factor.items():
             clipped = [g for g in map(grads.__getitem__, idx) if g is not None and g.numel()]
             if clipped:
-                foreach_mul_(clipped, torch.tensor(c, dtype=torch.float32, device=device))
+                reuse = shared is not None and shared.device == torch.device(device)
+                foreach_mul_(clipped, shared if reuse else torch.tensor(c, dtype=torch.float32, device=device))
 
     def _agc(self, dev, engine: StepEngine) -> None:
         with torch.no_grad():
@@ -212,14 +214,18 @@ class ClipGuard(StabilityCallback):
         if clipped or self.agc_lambda is not None:
             # our own edit: the step's statistics stay pre-clip (a later max |g| is divided by the group's factor;
             # AGC's per-row factors are not undone)
-            scale = None
-            if clipped:  # per tensor: its group's factor
+            scale = shared = None
+            if clipped:  # per tensor: its group's factor (one 0-d tensor, also the multiplier, when they are equal)
                 by_group = [coefs.get(g, 1.0) for g in dev.groups]
                 factors = [by_group[gi] for gi in dev.group_ids]
-                scale = torch.tensor(factors, dtype=torch.float32, device=dev.param_norms.device)
+                home = dev.param_norms.device
+                if len(set(factors)) == 1:  # the global cap alone: every tensor scaled by the same factor
+                    scale = shared = torch.tensor(factors[0], dtype=torch.float32, device=home)
+                else:
+                    scale = torch.tensor(factors, dtype=torch.float32, device=home)
             engine = stats.engine
             with stats.edited(state.global_step, scale, read=dev):  # `dev`: what `compute` just checked
-                self._apply(dev, coefs, engine)
+                self._apply(dev, coefs, engine, shared)
                 if self.agc_lambda is not None and engine.whole_rows:
                     self._agc(dev, engine)
                 elif self.agc_lambda is not None and not self._agc_said:
