@@ -23,6 +23,9 @@ on it, so the numbers hold on a machine other jobs share; `wall` for an idle mac
 synchronize). Steps 1-2 of each run are warm-up and left out; a part's value is its mean over the remaining steps,
 the table shows the median over rounds; the paired ratio is `default / bare` total of the same round.
 
+On a 2-core machine, pin the run to one core (`taskset -c 1`) and take `--rounds 10`: the paired per-round ratio
+scatters by ~2 % between rounds there (a median of 5 moved by ~1 % between runs), the part totals less.
+
 Last line: `layer_ms=<median of default - bare over grad norm + optimizer + callbacks> layer_ratio=<median>
 layer_ratio_min=<> layer_ratio_max=<> optimizer_ms=<factory, bare arm> trainer_optimizer_ms=<trainer_adamw>
 clock=<clock>`. `layer_ms` is the layer's own time, steadier than the total ratio on a shared machine (forward and

@@ -136,6 +136,18 @@ class GradRows:
         self._agreed_dev_key = self._dev_key
         return True
 
+    def agreed_extras(self, step) -> dict[str, float] | None:
+        """The sources' scalars (the loss, ...) of step `step` summed over ranks, from the rows the step has gathered;
+        None before its first gather (then `compute`). They do not depend on the gradients, so none is checked here;
+        whether the rows exist is rank-agreed."""
+        if step is None or self._agreed_step != step or self._agreed_rows is None:
+            return None
+        return self._row_extras()
+
+    def _row_extras(self) -> dict[str, float]:
+        first = 2 * len(self._group_names) + len(self._TAIL)
+        return {k: sum(row[first + j] for row in self._agreed_rows) for j, k in enumerate(self._agreed_keys)}
+
     def _report(self, dev: DeviceGradStats | None, step) -> GradReport:
         """The report from the gathered rows: sums of the extras, the worst rank of every statistic (sharded
         engines: the sums of the ranks' parts)."""
@@ -143,8 +155,7 @@ class GradRows:
             return self._sharded_report(dev, step)
         rows, n_groups = self._agreed_rows, len(self._group_names)
         col = {name: self._slot(name) for name in self._TAIL}
-        first = 2 * n_groups + len(self._TAIL)
-        extras = {k: sum(row[first + j] for row in rows) for j, k in enumerate(self._agreed_keys)}
+        extras = self._row_extras()
         rank_norms = [row[col["global"]] for row in rows]
         missing = [r for r, row in enumerate(rows) if row[col["available"]] < 0.5]
         if dev is None or missing:  # (this rank is among `missing` when dev is None)

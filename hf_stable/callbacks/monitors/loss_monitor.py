@@ -187,11 +187,14 @@ class LossMonitor(StepTapUser, StabilityCallback):
             GradStats.shared(model).readers.flush(state.global_step)  # a deferred read no gather ran (rank-agreed)
 
     def _read(self, stats: GradStats, model, state) -> None:
-        report = stats.compute(model, step=state.global_step)
-        den = report.extras.get("loss_den", 0.0)
+        # the loss rides in the step's gathered rows: read from them when gathered (no gradient to check for it)
+        extras = stats.agreed_extras(state.global_step)
+        if extras is None:
+            extras = stats.compute(model, step=state.global_step).extras
+        den = extras.get("loss_den", 0.0)
         self._from_tap = bool(den)
         if den:
-            self.observe_loss(state.global_step + 1, report.extras["loss_num"] / den)
+            self.observe_loss(state.global_step + 1, extras["loss_num"] / den)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.enabled and not self._from_tap and logs and "loss" in logs and "eval_loss" not in logs:
