@@ -270,6 +270,7 @@ def test_listed_pairs_give_the_chunked_paths_maximum_bit_for_bit():
     assert (everything > fast).any()  # the pattern excluded a larger logit: the check has teeth
     listed = probe_module._ALLOWED.get(mask, batch, heads, t, t)
     assert listed is probe_module._ALLOWED.get(mask, batch, heads, t, t)  # a second layer reuses the list
+    assert probe_module._ALLOWED.get(mask.to("meta"), batch, heads, t, t) is None  # off CPU: no listing (a sync)
     assert listed.shape == (int(mask.sum()), heads)  # every real query may attend to itself: no row left out
     held = weakref.ref(mask)
     del mask

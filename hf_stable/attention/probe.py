@@ -86,9 +86,10 @@ class AllowedPairs:
     """The flat positions, in `[B, H, q, k]` logits, of every (query head, allowed pair) of the last few masks.
 
     One forward builds one mask and hands it to every layer, so the pattern is turned into indices once per
-    forward instead of being sliced, combined and broadcast over each layer's logits. Only a boolean 4D mask
-    shared by all heads and given per row (`[B, 1, q, k]`, transformers' own) with queries and keys aligned is listed; masks are
-    held by weak reference (a cached list never keeps a `B x T x T` mask alive).
+    forward instead of being sliced, combined and broadcast over each layer's logits (on CPU, where the small ops
+    this saves cost most; on an accelerator the count of pairs would be a host sync). Only a boolean 4D mask shared
+    by all heads and given per row (`[B, 1, q, k]`, transformers' own) with queries and keys aligned is listed;
+    masks are held by weak reference (a cached list never keeps a `B x T x T` mask alive).
     """
 
     def __init__(self, size: int = 2):
@@ -98,6 +99,8 @@ class AllowedPairs:
     def get(self, mask: torch.Tensor | None, batch: int, heads: int, q_len: int, k_len: int) -> torch.Tensor | None:
         """`[n, heads]` int64 positions, or None (not listable: the caller takes the chunked path)."""
         if mask is None or mask.dtype != torch.bool or q_len != k_len or tuple(mask.shape) != (batch, 1, q_len, k_len):
+            return None
+        if mask.device.type != "cpu":  # listing the pairs (`nonzero`) would wait for the device: a host sync
             return None
         if torch.compiler.is_compiling():
             return None
