@@ -10,7 +10,20 @@ from hf_stable.core.engine import StepEngine
 ENGINES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 
 
+def no_shm_kernel() -> None:
+    """DeepSpeed on CPU JIT-compiles a shared-memory all-reduce kernel when its backend starts (about 80 s of g++ on
+    2 cores the first time, cached in ~/.cache/torch_extensions behind a lock file). Two test workers starting
+    DeepSpeed at once wait on one build, and a run killed at its timeout mid-build leaves the lock behind: every later
+    DeepSpeed run then waits on it for ever. The test ranks use plain gloo collectives instead. The module is looked
+    up in sys.modules: as an attribute, `deepspeed.comm.torch` is the torch package (deepspeed.comm imports torch)."""
+    import importlib
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 def deepspeed_config(stage: int) -> dict:
+    """The ZeRO `stage` config of the tests (the shared-memory kernel off: `no_shm_kernel`)."""
+    no_shm_kernel()
     return {
         "zero_optimization": {"stage": stage, "overlap_comm": False, "contiguous_gradients": True},
         "zero_allow_untested_optimizer": True,

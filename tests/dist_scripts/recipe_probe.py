@@ -284,13 +284,9 @@ if FAULT.startswith("enospc:"):
 
 
 if any("deepspeed" in a for a in sys.argv[1:]) or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
-    # DeepSpeed on CPU JIT-compiles a shared-memory all-reduce kernel (about 80 s of g++ on 2 cores the first
-    # time, then cached in ~/.cache/torch_extensions, and rebuilt whenever another venv built it there). Tests use
-    # plain gloo collectives instead. The module is looked up in sys.modules: as an attribute, `deepspeed.comm.torch`
-    # is the torch package (deepspeed.comm imports torch), and patching that left the kernel build on.
-    import importlib
+    from engines import no_shm_kernel  # the ranks use plain gloo collectives (see engines.py)
 
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    no_shm_kernel()
 
 
 if "--training.fsdp" in sys.argv[1:] or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
