@@ -80,13 +80,28 @@ def test_concurrent_builders_share_one_build_and_a_long_wait_is_said(tmp_path, m
     monkeypatch.setattr(builder, "WAIT_NOTICE_S", 0.05)
     monkeypatch.setenv("RANK", "1")  # as on a launch's second rank, which says its own waits (on its stderr)
     builds = []
-    real_build = builder.build_base
-    monkeypatch.setattr(builder, "build_base", lambda *a, **kw: builds.append(1) or real_build(*a, **kw))
+    building, noticed = threading.Event(), threading.Event()
+    real_build, real_say = builder.build_base, builder.say_on_this_rank
+
+    def build(*a, **kw):  # the builder holds the lock until the waiter has said its wait (no race on a busy machine)
+        builds.append(1)
+        building.set()
+        noticed.wait(timeout=60)
+        return real_build(*a, **kw)
+
+    def say(message):
+        real_say(message)
+        if message.startswith("waited "):
+            noticed.set()
+
+    monkeypatch.setattr(builder, "build_base", build)
+    monkeypatch.setattr(builder, "say_on_this_rank", say)
     cfg = EmbeddedBaseConfig(**SMALL, cache_dir=str(tmp_path))
     paths = []
     threads = [threading.Thread(target=lambda: paths.append(ensure_base("llama", cfg))) for _ in range(2)]
-    for t in threads:
-        t.start()
+    threads[0].start()
+    assert building.wait(timeout=120)  # the first holds the lock and builds; the second comes while it does
+    threads[1].start()
     for t in threads:
         t.join(timeout=120)
     assert len(paths) == 2 and paths[0] == paths[1] and (paths[0] / DONE_FILE).is_file()
