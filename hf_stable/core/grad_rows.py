@@ -164,21 +164,19 @@ class GradRows:
             return GradReport(step=step, available=False, reason=reason, extras=extras, rank_norms=rank_norms)
         present = sorted(set(dev.group_ids))
         top_norm, top_arg = _best_rank([(row[col["top_norm"]], row[col["top_arg"]]) for row in rows])
+        if len(rows) == 1:  # one rank: each statistic is its own worst
+            (row,) = rows
+            group_norms = {dev.groups[g]: row[g] for g in present}
+            nonfinite = {dev.groups[g]: int(row[n_groups + g]) for g in present}
+        else:
+            group_norms = {dev.groups[g]: _worst([row[g] for row in rows]) for g in present}
+            nonfinite = {dev.groups[g]: int(max(row[n_groups + g] for row in rows)) for g in present}
         report = GradReport(
             step=step,
             available=True,
             global_norm=_worst(rank_norms),
-            **(
-                {  # one rank: each statistic is its own worst
-                    "group_norms": {dev.groups[g]: rows[0][g] for g in present},
-                    "nonfinite": {dev.groups[g]: int(rows[0][n_groups + g]) for g in present},
-                }
-                if len(rows) == 1
-                else {
-                    "group_norms": {dev.groups[g]: _worst([row[g] for row in rows]) for g in present},
-                    "nonfinite": {dev.groups[g]: int(max(row[n_groups + g] for row in rows)) for g in present},
-                }
-            ),
+            group_norms=group_norms,
+            nonfinite=nonfinite,
             max_param_norm=top_norm if top_norm >= 0 else math.nan,
             max_norm_param=_name(dev, top_arg) if top_norm >= 0 else None,
             n_tensors=len(dev.names),
