@@ -21,7 +21,9 @@ the LR schedule, the Trainer's logging). Regions nest (a callback called inside 
 only). Clock: `thread` (default) is this thread's CPU time (`time.thread_time`); with `OMP_NUM_THREADS=1` every op runs
 on it, so the numbers hold on a machine other jobs share; `wall` for an idle machine (a GPU: the step marks
 synchronize). Steps 1-2 of each run are warm-up and left out; a part's value is its mean over the remaining steps,
-the table shows the median over rounds; the paired ratio is `default / bare` total of the same round.
+the table shows the median over the `--breakdown-rounds` instrumented rounds. The paired ratio is `default / bare`
+total of the same round over `--rounds` plain rounds, where only the step marks are timed: timing every hook costs
+~1-2 us a call, ~0.07 ms a step with the default layer's ~45 hooked calls, which would count against it.
 
 On a 2-core machine, pin the run to one core (`taskset -c 1`) and take `--rounds 10`: the paired per-round ratio
 scatters by ~2 % between rounds there (a median of 5 moved by ~1 % between runs), the part totals less.
@@ -41,6 +43,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -140,6 +143,64 @@ def make_clock_callback(profile: Profile, sync):
     return StepMarks()
 
 
+class Baton:
+    """Lets one arm's training thread run at a time, handed on at every step, so the arms' steps alternate one by one
+    and a machine whose speed drifts (a shared host) slows both alike."""
+
+    def __init__(self, n: int):
+        self.cond = threading.Condition()
+        self.n, self.arrived, self.turn, self.done = n, 0, None, set()
+
+    def arrive(self, i: int) -> None:
+        with self.cond:
+            self.arrived += 1
+            if self.arrived == self.n:
+                self.turn = 0
+                self.cond.notify_all()
+            self.cond.wait_for(lambda: self.turn == i)
+
+    def pass_on(self, i: int) -> None:
+        with self.cond:
+            live = [j for j in range(self.n) if j not in self.done]
+            if live:
+                self.turn = live[(live.index(i) + 1) % len(live)] if i in live else live[0]
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.turn == i or i in self.done)
+
+    def finish(self, i: int) -> None:
+        with self.cond:
+            self.done.add(i)
+            live = [j for j in range(self.n) if j not in self.done]
+            self.turn = live[0] if live else None
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: len(self.done) == self.n)  # no post-training work beside another's steps
+
+
+def make_turn_callback(baton: Baton, i: int, clock, sync, steps: list):
+    """Step marks for an interleaved run: each step is timed from taking the baton to handing it on."""
+    from transformers import TrainerCallback
+
+    class TurnMarks(TrainerCallback):
+        start = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            baton.arrive(i)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            sync()
+            if self.start is not None:
+                steps.append(clock() - self.start)
+            baton.pass_on(i)
+            self.start = clock()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            sync()
+            steps.append(clock() - self.start)
+            baton.finish(i)
+
+    return TurnMarks()
+
+
 def prepare(steps: int, out: str, adamw_impl: str):
     from hf_stable.config import load_config
     from hf_stable.data import build_data
@@ -154,8 +215,8 @@ def prepare(steps: int, out: str, adamw_impl: str):
     return cfg, base, tokenizer, data
 
 
-def run_arm(arm: str, prepared, clock: str) -> dict[str, float]:
-    import torch
+def build_arm(arm: str, prepared, clock: str, breakdown: bool = True, marks=None):
+    """(trainer, profile) of one arm; `marks`: the step-marks callback (default: the breakdown's)."""
     from transformers import set_seed
 
     from hf_stable.callbacks import build_callbacks
@@ -168,7 +229,7 @@ def run_arm(arm: str, prepared, clock: str) -> dict[str, float]:
     from hf_stable.trainer import StableTrainer
 
     cfg, base, tokenizer, data = prepared
-    forced = {"remove_unused_columns": False}
+    forced = {"remove_unused_columns": False, "output_dir": os.path.join(cfg.training["output_dir"], arm)}
     if arm == "default":
         forced.update(guard_training_overrides(cfg.stability.guards, cfg.training, warn=False))
     args = training_arguments(cfg, **forced)
@@ -183,9 +244,9 @@ def run_arm(arm: str, prepared, clock: str) -> dict[str, float]:
         optimizer_kwargs = {}
     else:
         optimizer_kwargs = trainer_optimizer_arguments(build_optimizer(model, cfg.optim, args), cfg.optim, args)
-    cuda = torch.cuda.is_available() and not args.use_cpu
-    profile = Profile(time.thread_time if clock == "thread" else time.perf_counter)
-    marks = make_clock_callback(profile, torch.cuda.synchronize if cuda and clock == "wall" else lambda: None)
+    profile = Profile(_clock(clock))
+    if marks is None:
+        marks = make_clock_callback(profile, _sync(clock, args))
     trainer = StableTrainer(
         model=model,
         args=args,
@@ -196,9 +257,59 @@ def run_arm(arm: str, prepared, clock: str) -> dict[str, float]:
         training_loss=cfg.training_loss,
         **optimizer_kwargs,
     )
-    instrument(trainer, profile, skip=marks)
+    if breakdown:
+        instrument(trainer, profile, skip=marks)
+    return trainer, profile
+
+
+def _clock(clock: str):
+    return time.thread_time if clock == "thread" else time.perf_counter
+
+
+def _sync(clock: str, args=None):
+    import torch
+
+    cuda = torch.cuda.is_available() and not (args is not None and args.use_cpu)
+    return torch.cuda.synchronize if cuda and clock == "wall" else (lambda: None)
+
+
+def run_arm(arm: str, prepared, clock: str, breakdown: bool = True) -> dict[str, float]:
+    trainer, profile = build_arm(arm, prepared, clock, breakdown)
     trainer.train()
     return profile.summary()
+
+
+def run_interleaved(arms: list[str], prepared, clock: str) -> dict[str, float]:
+    """Mean step ms of each arm, the arms trained in one process with their steps alternating one by one (each in
+    its own thread, one running at a time); steps 1-2 and the last are left out, as in `Profile.summary`."""
+    baton = Baton(len(arms))
+    steps: dict[str, list[float]] = {arm: [] for arm in arms}
+    trainers = [
+        build_arm(
+            arm,
+            prepared,
+            clock,
+            breakdown=False,
+            marks=make_turn_callback(baton, i, _clock(clock), _sync(clock), steps[arm]),
+        )[0]
+        for i, arm in enumerate(arms)
+    ]
+    errors = []
+
+    def train(trainer):
+        try:
+            trainer.train()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(t,)) for t in trainers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return {arm: 1e3 * statistics.fmean(xs[WARMUP:-1]) for arm, xs in steps.items()}
 
 
 def table(results: dict[str, list[dict]], rounds: int) -> str:
@@ -222,6 +333,12 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument(
+        "--breakdown-rounds",
+        type=int,
+        default=2,
+        help="rounds with every hook timed (the per-part table); the paired ratio comes from the --rounds plain runs",
+    )
     p.add_argument("--clock", choices=("thread", "wall"), default="thread")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--adamw-impl", default="auto", choices=("auto", "fused", "foreach", "for_loop"))
@@ -229,23 +346,36 @@ def main(argv: list[str]) -> None:
     arms = a.arms.split(",")
     if unknown := set(arms) - set(ARMS):
         p.error(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
-    results: dict[str, list[dict]] = {arm: [] for arm in arms}
+    results: dict[str, list[dict]] = {arm: [] for arm in arms}  # the instrumented runs: the per-part table
+    totals: dict[str, list[float]] = {arm: [] for arm in arms}  # the plain runs: the paired ratio
     ratios = []
     with tempfile.TemporaryDirectory() as out:
         prepared = prepare(a.steps, out, a.adamw_impl)
-        for r in range(a.rounds):
+        for r in range(a.rounds):  # plain rounds: the arms' steps interleaved, nothing but the steps timed
+            order = arms[r % len(arms) :] + arms[: r % len(arms)]
+            means = run_interleaved(order, prepared, a.clock)
+            for arm in order:
+                totals[arm].append(means[arm])
+                print(f"round={r} plain arm={arm} total_ms={means[arm]:.2f}", flush=True)
+            if "bare" in means and "default" in means:
+                ratios.append(means["default"] / means["bare"])
+        for r in range(a.breakdown_rounds):  # instrumented rounds, one arm at a time: the per-part table
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
             for arm in order:
                 res = run_arm(arm, prepared, a.clock)
                 results[arm].append(res)
-                print(
-                    f"round={r} arm={arm} total_ms={res['total']:.2f} callbacks_ms={res['callbacks']:.2f}", flush=True
-                )
-            if "bare" in results and "default" in results:
-                ratios.append(results["default"][-1]["total"] / results["bare"][-1]["total"])
-    print(f"\nclock={a.clock} ms per step, steps {WARMUP + 1}..{a.steps - 1}, median over {a.rounds} rounds\n")
-    print(table(results, a.rounds))
+                print(f"round={r} breakdown arm={arm} total_ms={res['total']:.2f}", flush=True)
+    print(
+        f"\nclock={a.clock} ms per step, steps {WARMUP + 1}..{a.steps - 1}, median over {a.breakdown_rounds} "
+        "instrumented rounds\n"
+    )
+    if a.breakdown_rounds:
+        print(table(results, a.breakdown_rounds))
     nan = float("nan")
+    print(
+        "\nplain runs, total ms per step, median: "
+        + " ".join(f"{arm}={statistics.median(t):.2f}" for arm, t in totals.items() if t)
+    )
     if ratios:
         print("\npaired per-round ratio default/bare: " + " ".join(f"{x:.3f}" for x in ratios))
     opt = statistics.median(r["optimizer"] for r in results["bare"]) if results.get("bare") else nan

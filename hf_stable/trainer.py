@@ -52,7 +52,7 @@ from transformers.trainer_utils import has_length
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.guards.accumulation_control import AccumulationControl
-from hf_stable.callbacks.ordering import order_for_reporting
+from hf_stable.callbacks.ordering import order_for_reporting, skip_noop_hooks
 from hf_stable.callbacks.spike_forensics import wrap_train_sampler
 from hf_stable.compat import foreach_mul_, has_mixed_mesh_grads
 from hf_stable.config.loss import TrainingLossConfig
@@ -81,6 +81,7 @@ class StableTrainer(Trainer):
         """What this class adds to a built trainer (also run by `hf_stable.stabilize` on a trainer built elsewhere)."""
         self.training_loss = training_loss if training_loss is not None else TrainingLossConfig()
         order_for_reporting(self)  # reporters (TensorBoard, W&B ...) after the callbacks whose metrics they write
+        skip_noop_hooks(self.callback_handler)  # the ~20 callbacks' no-op hooks are not called at every event
         if self.model is not None:  # tells the monitors their numbers are pre-clip even with max_grad_norm > 0
             GradStats.shared(self.model).pre_clip = True
         # hf_stable's collators: we ask for the record ids and take them out again before the forward (the

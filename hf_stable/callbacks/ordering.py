@@ -75,3 +75,54 @@ def order_for_reporting(trainer) -> None:
         a is not b for a, b in zip(ordered, handler.callbacks, strict=False)
     ):
         handler.callbacks = ordered  # a new list: a loop already iterating the old one is not disturbed
+
+
+# --- dispatch ------------------------------------------------------------------------------------------------------
+_NO_OPS = {name: fn for name, fn in vars(TrainerCallback).items() if name.startswith("on_")}
+
+
+def _acts(callback: TrainerCallback, event: str) -> bool:
+    """Whether `callback`'s hook for `event` does anything: a class or an instance overrides TrainerCallback's no-op."""
+    return event in vars(callback) or getattr(type(callback), event, None) is not _NO_OPS.get(event)
+
+
+def skip_noop_hooks(handler) -> None:
+    """Make `handler.call_event` call only the callbacks whose hook for the event is not TrainerCallback's no-op.
+
+    The stock handler calls every callback at every event with eight keyword arguments, ~1 us each: with the recipe's
+    ~20 callbacks, half of them without an `on_pre_optimizer_step` or `on_optimizer_step`, that is ~0.04 ms a step of
+    calls that do nothing. The same callbacks run, in the same order, with the same arguments. Which callbacks act is
+    listed once per event and list of callbacks, and listed afresh at every `on_train_begin` (a hook patched onto an
+    instance before training counts).
+
+    Example:
+        >>> skip_noop_hooks(trainer.callback_handler)   # StableTrainer does it in __init__
+    """
+    if getattr(handler, "_hf_stable_live", None) is not None:
+        return
+    live: dict[str, tuple[tuple, list]] = {}
+    handler._hf_stable_live = live
+
+    def call_event(event, args, state, control, **kwargs):
+        callbacks = tuple(handler.callbacks)
+        cached = live.get(event)
+        if cached is None or cached[0] != callbacks or event == "on_train_begin":
+            cached = live[event] = (callbacks, [cb for cb in callbacks if _acts(cb, event)])
+        for callback in cached[1]:
+            result = getattr(callback, event)(
+                args,
+                state,
+                control,
+                model=handler.model,
+                processing_class=handler.processing_class,
+                optimizer=handler.optimizer,
+                lr_scheduler=handler.lr_scheduler,
+                train_dataloader=handler.train_dataloader,
+                eval_dataloader=handler.eval_dataloader,
+                **kwargs,
+            )
+            if result is not None:  # (a callback may leave `control` as it is and return None)
+                control = result
+        return control
+
+    handler.call_event = call_event

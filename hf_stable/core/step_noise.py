@@ -59,6 +59,11 @@ class LogWindow(deque):
     def logs(self) -> list[float] | None:
         return None if self._bad else list(self._logs)
 
+    @property
+    def positive(self) -> bool:
+        """Every value is > 0 (the window has logs)."""
+        return not self._bad
+
     def __reduce__(self):  # copies and pickles are rebuilt from the values (their logs taken afresh)
         return type(self), (list(self), self.maxlen)
 

@@ -92,7 +92,11 @@ class SkipGuard(SkipRules, StepTapUser, StabilityCallback):
         self._off_reason: str | None = None
         self._listeners: list[Callable] = []
         self.last_verdict: StepVerdict | None = None
-        self.last_evidence: dict = {}
+        # the statistics the last judgement compared (`last_evidence`): the rules', the RL damage check's, and the
+        # rest of the rules' (the window's noise), measured when read
+        self._rule_evidence: dict = {}
+        self._damage_evidence: dict = {}
+        self._finish_evidence: Callable[[], None] | None = None
         self._judged: int | None = None  # the step label last read (`judges_later`)
         self._gathers_at_begin: int | None = None  # `GradStats.row_gathers` when the step began
         self._no_signal_total = 0  # steps whose gradient was exactly zero (applied, never a reference)

@@ -42,27 +42,43 @@ class SkipRules:
             return None
         return math.log(level / ref)
 
-    def _rising(self, level: float | None, noise: dict, scale: float = 1.0) -> bool:
+    def _rising(self, level: float | None, noise, scale: float = 1.0) -> bool:
         """A rise: the loss level `scale` x loss_rise_rel above the reference and `scale` x loss_rise_zscore
-        standard deviations of the rise statistic's own noise above its centre."""
+        standard deviations of the rise statistic's own noise above its centre. `noise()` gives the window's noise
+        (asked for only when the level is above the first bar)."""
         stat = None if level is None else self._rise_stat(level)
         if stat is None or stat <= math.log1p(self.loss_rise_rel * scale):
             return False
-        sigma = self._rise_noise(noise)
+        sigma = self._rise_noise(noise())
         return self.loss_rise_zscore is None or sigma is None or stat > scale * self.loss_rise_zscore * sigma
+
+    @property
+    def last_evidence(self) -> dict:
+        """The statistics the last `local_flags` (and `damage_flag`) compared, for a `step_skipped` event. The window's
+        noise in it is measured here, on request: a step that no rule came near needs none of it."""
+        finish, self._finish_evidence = self._finish_evidence, None
+        if finish is not None:
+            finish()
+        return {**self._rule_evidence, **self._damage_evidence}
 
     def local_flags(self, grad_norm: float, loss: float | None, nonfinite_grads: bool = False) -> list[float]:
         """[nonfinite, grad_spike, loss_spike, loss_rise] as 0/1 from this rank's numbers (no state change; the
-        statistics compared are left in `self.last_evidence`)."""
+        statistics compared are left in `last_evidence`)."""
         bad = self.nonfinite and (
             nonfinite_grads or not math.isfinite(grad_norm) or (loss is not None and not math.isfinite(loss))
         )
-        self.last_evidence = {}
+        self._rule_evidence, self._damage_evidence, self._finish_evidence = {}, {}, None
         if bad:
             return [1.0, 0.0, 0.0, 0.0]
         warm = self._accepted >= self.warmup_steps
-        noise = self.noise() if warm else {}
-        evidence = self.last_evidence
+        measured: list[dict] = []
+
+        def noise() -> dict:  # the window's noise, measured once and only when a rule needs it
+            if not measured:
+                measured.append(self.noise() if warm else {})
+            return measured[0]
+
+        evidence = self._rule_evidence
         grad_spike = math.isfinite(grad_norm) and self.grad_norm_max is not None and grad_norm > self.grad_norm_max
         if (
             not grad_spike
@@ -80,28 +96,39 @@ class SkipRules:
             grad_spike = self.grad_spike_zscore is None or z is None or z > self.grad_spike_zscore
         loss_spike = False
         if warm and loss is not None and self.loss_spike_zscore is not None and len(self._losses) >= 3:
-            mid = noise.get("loss_median", median(list(self._losses)))
+            mid = median(list(self._losses))
             if loss > mid * (1 + self.loss_spike_min_rel):
-                z = log_z(loss, self._losses, scale=noise.get("loss_step_noise"))
+                z = log_z(loss, self._losses, scale=noise().get("loss_step_noise"))
                 if z is None:  # losses <= 0 (a custom loss): the z-score of the loss itself
                     z = robust_zscore(loss, list(self._losses))
                 evidence["loss_z"] = z
                 loss_spike = z > self.loss_spike_zscore
         loss_rise = False
-        if (
+        level = None
+        rise_judged = (
             warm
             and loss is not None
             and self.loss_rise_rel is not None
-            and self._mid_hist
+            and bool(self._mid_hist)
             and not (loss_spike or grad_spike)
-        ):  # a spike is judged as a spike, not as a trend
+        )  # a spike is judged as a spike, not as a trend
+        if rise_judged:
             level = self._level_with(loss)
             loss_rise = self._rising(level, noise)
-            stat, sigma = (None if level is None else self._rise_stat(level)), self._rise_noise(noise)
-            evidence.update({k: v for k, v in (("rise_log", stat), ("rise_sigma", sigma)) if v is not None})
-        if noise:
-            evidence.update({k: v for k, v in noise.items() if k != "n"}, window_steps=noise["n"])
-        return [0.0, float(grad_spike), float(loss_spike), float(loss_rise)]
+
+        def finish() -> None:  # the rest of the evidence, in the order the event has always listed it
+            if rise_judged:
+                stat, sigma = (None if level is None else self._rise_stat(level)), self._rise_noise(noise())
+                evidence.update({k: v for k, v in (("rise_log", stat), ("rise_sigma", sigma)) if v is not None})
+            if noise():
+                evidence.update({k: v for k, v in noise().items() if k != "n"}, window_steps=noise()["n"])
+
+        flags = [0.0, float(grad_spike), float(loss_spike), float(loss_rise)]
+        if any(flags):
+            finish()
+        else:  # measured only if the step is skipped for another reason (`last_evidence`)
+            self._finish_evidence = finish
+        return flags
 
     def damage_flag(self, extras: dict) -> float:
         """1.0 when the step's own RL inputs are damaged (`integrations.rl_damage`: non-finite log-probs, an
@@ -111,7 +138,7 @@ class SkipRules:
         if not self.damage_rules or not (nonfinite > 0 or tail > 0 or math.isnan(nonfinite + tail)):
             return 0.0
         ratio_max = extras.get("rl_ratio_max", math.nan)
-        self.last_evidence.update(nonfinite_logps=nonfinite, ratio_tail=tail, ratio_max=ratio_max)
+        self._damage_evidence = {"nonfinite_logps": nonfinite, "ratio_tail": tail, "ratio_max": ratio_max}
         return 1.0
 
     def _level_with(self, loss: float | None = None) -> float | None:
@@ -126,4 +153,4 @@ class SkipRules:
         measures: a rise under way): no time for a snapshot."""
         if self.loss_rise_rel is None or not self._mid_hist:
             return True
-        return not self._rising(self._level_with(), self.noise(), scale=0.5)
+        return not self._rising(self._level_with(), self.noise, scale=0.5)

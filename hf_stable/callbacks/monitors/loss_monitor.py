@@ -25,7 +25,7 @@ from collections import deque
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.config.stability import LossMonitorConfig
 from hf_stable.core.grad_stats import GradStats
-from hf_stable.core.monitor_utils import AlertGate, robust_zscore
+from hf_stable.core.monitor_utils import AlertGate, logs_at, robust_zscore
 from hf_stable.core.step_noise import LogWindow, log_z, median
 from hf_stable.core.step_tap import StepTapUser
 
@@ -76,8 +76,10 @@ class LossMonitor(StepTapUser, StabilityCallback):
         self._gate.load_state_dict(state.get("gate", {}))
 
     # --- decisions (pure: testable on constructed traces) ------------------------------------------
-    def observe_loss(self, step: int, loss: float) -> list[dict]:
-        """Feed one step's training loss; returns the events written. Non-finite losses are not learned from."""
+    def observe_loss(self, step: int, loss: float, metrics_due: bool = True) -> list[dict]:
+        """Feed one step's training loss; returns the events written. Non-finite losses are not learned from.
+        `metrics_due=False`: the step's metrics reach no log line (not a logging step), so its z-score is measured
+        only when the loss is large enough to be a spike."""
         events: list[dict] = []
         metrics = {"loss/train": loss}
         if not math.isfinite(loss):
@@ -85,23 +87,28 @@ class LossMonitor(StepTapUser, StabilityCallback):
             return events  # NonFiniteLocator reports it; keep it out of the statistics
         if len(self._history) >= self.spike_min_history:
             history = list(self._history)
-            z = log_z(loss, self._history)  # losses spread multiplicatively (a hard record is 3x the median, not +2)
             mid = median(history)
-            big = loss > mid * (1 + self.spike_min_rel) if z is not None else True
-            if z is None:  # a loss that can be <= 0 (a custom objective): the plain robust z-score
-                z = robust_zscore(loss, history)
-            metrics["loss/zscore"] = z
-            if z > self.spike_zscore and big:
-                events += self._alert(
-                    step,
-                    "loss_spike",
-                    loss,
-                    self.spike_zscore,
-                    "warning",
-                    f"loss {loss:.4g} is {loss / mid if mid > 0 else math.inf:.2g}x the median {mid:.4g} of the last "
-                    f"{len(history)} steps, {z:.1f} robust sd of their log losses above it (> {self.spike_zscore:g})",
-                    zscore=z,
-                )
+            # the log z-score is defined for a positive loss over a positive history (losses spread
+            # multiplicatively: a hard record is 3x the median, not +2); else the plain robust z-score, always judged
+            logs = loss > 0 and self._history.positive
+            big = loss > mid * (1 + self.spike_min_rel) if logs else True
+            if big or metrics_due:
+                z = log_z(loss, self._history) if logs else None
+                if z is None:  # a loss that can be <= 0 (a custom objective): the plain robust z-score
+                    z = robust_zscore(loss, history)
+                metrics["loss/zscore"] = z
+                if z > self.spike_zscore and big:
+                    events += self._alert(
+                        step,
+                        "loss_spike",
+                        loss,
+                        self.spike_zscore,
+                        "warning",
+                        f"loss {loss:.4g} is {loss / mid if mid > 0 else math.inf:.2g}x the median {mid:.4g} of the "
+                        f"last {len(history)} steps, {z:.1f} robust sd of their log losses above it "
+                        f"(> {self.spike_zscore:g})",
+                        zscore=z,
+                    )
         self._history.append(loss)
         self._interval.append(loss)
         if len(self._interval) >= self.curvature_interval:
@@ -178,7 +185,7 @@ class LossMonitor(StepTapUser, StabilityCallback):
         if not self.enabled or model is None:
             return
         stats = GradStats.shared(model)
-        read = lambda: self._read(stats, model, state)
+        read = lambda: self._read(stats, model, args, state)
         if not stats.readers.defer(state.global_step, read):  # else: at the skip guard's gather (`step_readers`)
             read()
 
@@ -186,7 +193,7 @@ class LossMonitor(StepTapUser, StabilityCallback):
         if model is not None:
             GradStats.shared(model).readers.flush(state.global_step)  # a deferred read no gather ran (rank-agreed)
 
-    def _read(self, stats: GradStats, model, state) -> None:
+    def _read(self, stats: GradStats, model, args, state) -> None:
         # the loss rides in the step's gathered rows: read from them when gathered (no gradient to check for it)
         extras = stats.agreed_extras(state.global_step)
         if extras is None:
@@ -194,7 +201,8 @@ class LossMonitor(StepTapUser, StabilityCallback):
         den = extras.get("loss_den", 0.0)
         self._from_tap = bool(den)
         if den:
-            self.observe_loss(state.global_step + 1, extras["loss_num"] / den)
+            step = state.global_step + 1
+            self.observe_loss(step, extras["loss_num"] / den, metrics_due=logs_at(args, step))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.enabled and not self._from_tap and logs and "loss" in logs and "eval_loss" not in logs:
