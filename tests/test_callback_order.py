@@ -151,3 +151,52 @@ def test_order_for_reporting_keeps_everything_else_in_place():
     assert [type(cb) for cb in cbs[:2]] == [DefaultFlowCallback, TrainerCallback] and cbs[1] is user_a
     assert cbs[2 : 2 + len(ours)] == ours and cbs[2 + len(ours)] is user_b
     assert [type(cb) for cb in cbs[-2:]] == [RecordingTensorBoard, PrinterCallback]
+
+
+class LookupSpy(TrainerCallback):
+    """Defines no hook of its own; records every hook the handler looks up on it, and `calls` what it ran."""
+
+    def __init__(self, name: str, calls: list):
+        self.lookups: list[str] = []
+        self.name, self.calls = name, calls
+
+    def __getattribute__(self, attr):
+        if attr.startswith("on_"):
+            object.__getattribute__(self, "lookups").append(attr)
+        return object.__getattribute__(self, attr)
+
+
+class StepBeginRecorder(TrainerCallback):
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.calls.append((self.name, state.global_step))
+
+
+@pytest.mark.parametrize("cls", [Trainer, StableTrainer])
+def test_stable_trainer_calls_only_the_hooks_that_act_in_the_listed_order(cls, tmp_path):
+    """`StableTrainer` skips TrainerCallback's no-op hooks (`skip_noop_hooks`); every hook that acts - a class's
+    own or one patched onto an instance before training - runs at every event, in the listed order, as in the stock
+    Trainer."""
+    calls: list = []
+    first, idle, patched, last = (
+        StepBeginRecorder("first", calls),
+        LookupSpy("idle", calls),
+        LookupSpy("patched", calls),
+        StepBeginRecorder("last", calls),
+    )
+    trainer = cls(
+        model=tiny_lora_llama(),
+        args=training_args(tmp_path, max_steps=3, per_device_train_batch_size=2),
+        train_dataset=token_data(8),
+        callbacks=[first, idle, patched, last],
+    )
+    patched.on_step_begin = lambda args, state, control, **kw: calls.append(("patched", state.global_step))
+    trainer.train()
+    assert calls == [(name, step) for step in range(3) for name in ("first", "patched", "last")]
+    if cls is StableTrainer:
+        assert "on_pre_optimizer_step" not in idle.lookups and "on_step_begin" not in idle.lookups
+        assert "on_pre_optimizer_step" not in patched.lookups
+    else:  # the stock handler looks up (and calls) every hook of every callback
+        assert idle.lookups.count("on_pre_optimizer_step") == 3

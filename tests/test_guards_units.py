@@ -188,6 +188,36 @@ def test_skip_rules_on_constructed_traces():
     assert 31 in skip.skipped_steps and skip.skipped_total < 14
 
 
+def test_skip_evidence_is_the_same_whether_a_rule_or_another_reason_skips_the_step():
+    """The window's noise is measured only when a rule comes near or the step is skipped: a step skipped for
+    another reason (ranks that disagree, damaged RL inputs) carries the same evidence as when it was always measured."""
+
+    def warm_guard():
+        skip = SkipGuard(warmup_steps=5)
+        rng = random.Random(1)
+        for step in range(1, 41):
+            skip.decide(step, [0, 0, 0, 0], 1.0 + rng.gauss(0, 0.1), 3.0 - step * 0.01 + rng.gauss(0, 0.02))
+        return skip
+
+    quiet, eager = warm_guard(), warm_guard()
+    assert quiet.local_flags(1.0, 2.6) == [0, 0, 0, 0]
+    assert quiet._finish_evidence is not None  # nothing measured yet
+    noise = eager.noise()
+    evidence = quiet.last_evidence  # a skip for another reason reads it: measured now
+    assert {k: evidence[k] for k in ("loss_median", "loss_step_noise", "grad_log_scale")} == {
+        k: noise[k] for k in ("loss_median", "loss_step_noise", "grad_log_scale")
+    }
+    assert evidence["window_steps"] == noise["n"] and "rise_log" in evidence and "rise_sigma" in evidence
+    quiet.damage_flag({"rl_nonfinite_logps": 2.0, "rl_ratio_tail": 0.0})
+    assert list(quiet.last_evidence)[-3:] == ["nonfinite_logps", "ratio_tail", "ratio_max"]
+    verdict = quiet.decide(41, [0, 0, 0, 0, 1.0, 0.0], 1.0, 2.6)  # rank_mismatch
+    event = quiet.events[-1]
+    assert verdict.skip and event["kind"] == "step_skipped" and event["noise"]["window_steps"] == noise["n"]
+    assert "step noise" not in event["message"]  # a rank mismatch explains no finite rule
+    flags = eager.local_flags(1.0, 9.0)  # a loss spike: its evidence is complete at once
+    assert flags == [0, 0, 1, 0] and eager._finish_evidence is None and eager.last_evidence["loss_z"] > 6
+
+
 def test_a_guard_listed_before_the_skip_guard_is_an_error():
     skip = SkipGuard()
     with pytest.raises(GuardOrderError, match="list SkipGuard before"):

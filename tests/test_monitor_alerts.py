@@ -97,6 +97,27 @@ def test_loss_spike_fires_and_healthy_noisy_decay_is_silent(tmp_path):
     assert events[0]["zscore"] > 6
 
 
+def test_loss_spike_off_a_logging_step_fires_the_same_and_its_z_score_is_logged_only_when_due(tmp_path):
+    """Off a logging step the monitor measures the z-score only for a loss large enough to be a spike: the same alert
+    as when every step is measured, the same z at a logging step, and no z-score metric otherwise."""
+    every, lazy = _bind(LossMonitor(), tmp_path / "every"), _bind(LossMonitor(), tmp_path / "lazy")
+    losses = _healthy_losses(200)
+    for step, loss in enumerate(losses, 1):
+        every.observe_loss(step, loss)
+        lazy._pending.clear()
+        lazy.observe_loss(step, loss, metrics_due=step % 10 == 0)
+        if step % 10 == 0 and step > 20:
+            assert lazy._pending["loss/zscore"] == every._pending["loss/zscore"]
+        elif step > 20:
+            assert "loss/zscore" not in lazy._pending and lazy._pending["loss/train"] == loss
+    spike = losses[-1] + 1.5
+    every.observe_loss(201, spike)
+    lazy.observe_loss(201, spike, metrics_due=False)
+    got, want = read_events(tmp_path / "lazy"), read_events(tmp_path / "every")
+    assert [e["kind"] for e in got] == [e["kind"] for e in want] == ["loss_spike"]
+    assert got[0]["zscore"] == want[0]["zscore"] > 6 and lazy._pending["loss/zscore"] == got[0]["zscore"]
+
+
 def test_loss_curvature_rule_fires_on_accelerating_rise(tmp_path):
     mon = _bind(LossMonitor(spike_zscore=1e9), tmp_path)
     for step in range(1, 21):
