@@ -200,3 +200,33 @@ def test_stable_trainer_calls_only_the_hooks_that_act_in_the_listed_order(cls, t
         assert "on_pre_optimizer_step" not in patched.lookups
     else:  # the stock handler looks up (and calls) every hook of every callback
         assert idle.lookups.count("on_pre_optimizer_step") == 3
+
+
+class OwnStabilityCallback(StabilityCallback):
+    """A user's own subclass of hf_stable's base class, editing a gradient in place (same tensor, new version)."""
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if state.global_step + 1 == NAN_STEP:
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize("editor", ["subclass", "patched"])
+def test_an_edit_between_our_callbacks_is_judged_by_the_skip_guard(editor, tmp_path):
+    """The gradient statistics are read first by the monitors listed before the skip guard; a callback between them
+    and the guard that writes NaN in place - a user's own StabilityCallback subclass, or a hook patched onto one of
+    ours - ends the span of our callbacks, so the guard checks the gradients again and skips the step."""
+    args = training_args(tmp_path, max_steps=3, per_device_train_batch_size=2)
+    ours = build_callbacks(RunConfig(), args)
+    skip = next(cb for cb in ours if isinstance(cb, SkipGuard))
+    readers = [i for i, cb in enumerate(ours) if type(cb).__name__ == "GradientMonitor"]
+    assert readers and readers[0] < ours.index(skip)  # the statistics are gathered before the guard reads them
+    if editor == "subclass":
+        ours.insert(ours.index(skip), OwnStabilityCallback())
+    else:
+        host = next(
+            cb for cb in ours[readers[0] + 1 : ours.index(skip)] if type(cb).__module__.startswith("hf_stable")
+        )
+        host.on_pre_optimizer_step = OwnStabilityCallback().on_pre_optimizer_step
+    model = tiny_lora_llama()
+    StableTrainer(model=model, args=args, train_dataset=token_data(8), callbacks=ours).train()
+    assert skip.skipped_steps == [NAN_STEP] and all_finite(trainable(model))

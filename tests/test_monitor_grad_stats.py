@@ -219,3 +219,27 @@ def test_the_per_model_table_remembers_its_last_lookup_weakly():
     assert held_model() is None and held_stats() is None and len(table) == 0
     shared = GradStats.shared(b)
     assert GradStats.shared(b) is shared
+
+
+def test_a_check_holds_for_the_span_of_our_callbacks_and_ends_with_it(tokenizer):
+    """Inside a span of hf_stable's own callbacks (`open_span`, opened by StableTrainer's dispatch) the gradients,
+    once found unchanged, are not read again; ending the span (another callback runs, a skip drops gradients) makes
+    the next reader check them, so a foreign edit is seen."""
+    from hf_stable.core.grad_stats import close_span, open_span
+
+    model = make_tiny_model("llama", tokenizer)
+    _backward(model)
+    stats = GradStats.shared(model)
+    stats.begin_step()
+    try:
+        open_span()
+        first = stats.compute(model, step=7)
+        grad = model.lm_head.weight.grad
+        grad.view(-1)[0] = float("nan")  # not something our callbacks do inside a span
+        assert stats.compute(model, step=7) is first  # trusted: no read of the gradients
+        close_span()  # e.g. a user's callback runs next
+        open_span()
+        assert stats.compute(model, step=7).nonfinite["lm_head"] == 1
+    finally:
+        close_span()
+    assert stats.compute(model, step=7).nonfinite["lm_head"] == 1

@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from hf_stable.callbacks.compact_printer import CompactPrinter
+from hf_stable.core.grad_stats import close_span, open_span
 
 
 def _reporter_classes() -> tuple[type, ...]:
@@ -81,9 +82,19 @@ def order_for_reporting(trainer) -> None:
 _NO_OPS = {name: fn for name, fn in vars(TrainerCallback).items() if name.startswith("on_")}
 
 
+def _ours(callback: TrainerCallback) -> bool:
+    """A callback of this package (a user's subclass of one is the user's: it may edit the gradients)."""
+    return type(callback).__module__.startswith("hf_stable.")
+
+
 def _acts(callback: TrainerCallback, event: str) -> bool:
     """Whether `callback`'s hook for `event` does anything: a class or an instance overrides TrainerCallback's no-op."""
-    return event in vars(callback) or getattr(type(callback), event, None) is not _NO_OPS.get(event)
+    return _patched(callback, event) or getattr(type(callback), event, None) is not _NO_OPS.get(event)
+
+
+def _patched(callback: TrainerCallback, event: str) -> bool:
+    """The hook was set on the instance (a wrapper, a test's patch): whatever it runs is not ours."""
+    return event in getattr(callback, "__dict__", {})
 
 
 def skip_noop_hooks(handler) -> None:
@@ -94,6 +105,11 @@ def skip_noop_hooks(handler) -> None:
     calls that do nothing. The same callbacks run, in the same order, with the same arguments. Which callbacks act is
     listed once per event and list of callbacks, and listed afresh at every `on_train_begin` (a hook patched onto an
     instance before training counts).
+
+    A run of consecutive hf_stable callbacks is a span (`core.grad_stats.open_span`): the step's gradients, once found
+    unchanged in it, are not checked again by the next of them (each check reads every gradient's identity and
+    version, ~15-35 us). Any other callback, a hook patched onto one of ours, or a skip that drops the gradients ends
+    the span, so a gradient edited there is still seen.
 
     Example:
         >>> skip_noop_hooks(trainer.callback_handler)   # StableTrainer does it in __init__
@@ -107,22 +123,32 @@ def skip_noop_hooks(handler) -> None:
         callbacks = tuple(handler.callbacks)
         cached = live.get(event)
         if cached is None or cached[0] != callbacks or event == "on_train_begin":
-            cached = live[event] = (callbacks, [cb for cb in callbacks if _acts(cb, event)])
-        for callback in cached[1]:
-            result = getattr(callback, event)(
-                args,
-                state,
-                control,
-                model=handler.model,
-                processing_class=handler.processing_class,
-                optimizer=handler.optimizer,
-                lr_scheduler=handler.lr_scheduler,
-                train_dataloader=handler.train_dataloader,
-                eval_dataloader=handler.eval_dataloader,
-                **kwargs,
+            cached = live[event] = (
+                callbacks,
+                [(cb, _ours(cb) and not _patched(cb, event)) for cb in callbacks if _acts(cb, event)],
             )
-            if result is not None:  # (a callback may leave `control` as it is and return None)
-                control = result
+        try:
+            for callback, ours in cached[1]:
+                if ours:
+                    open_span()
+                else:
+                    close_span()
+                result = getattr(callback, event)(
+                    args,
+                    state,
+                    control,
+                    model=handler.model,
+                    processing_class=handler.processing_class,
+                    optimizer=handler.optimizer,
+                    lr_scheduler=handler.lr_scheduler,
+                    train_dataloader=handler.train_dataloader,
+                    eval_dataloader=handler.eval_dataloader,
+                    **kwargs,
+                )
+                if result is not None:  # (a callback may leave `control` as it is and return None)
+                    control = result
+        finally:
+            close_span()
         return control
 
     handler.call_event = call_event

@@ -39,6 +39,22 @@ __all__ = ["DeviceGradStats", "GradReport", "GradStats"]
 
 _SHARED = ModelTable()
 _PLAIN = StepEngine()
+# The span of hf_stable's own callbacks now running under `StableTrainer`'s dispatch (`callbacks.ordering`), None
+# outside one: a fresh object each time a run of them starts, so a foreign callback in between ends the span.
+_SPAN: list = [None]
+
+
+def open_span() -> None:
+    """hf_stable's own callbacks run from here (`callbacks.ordering.skip_noop_hooks`): a gradient check made in the span
+    holds for the rest of it. Their own gradient edits go through `GradStats.edited` or end the span (a skip)."""
+    if _SPAN[0] is None:
+        _SPAN[0] = object()
+
+
+def close_span() -> None:
+    """Other code may run from here (a user's callback, the Trainer, a skip that dropped the gradients): the next read
+    checks the gradients again."""
+    _SPAN[0] = None
 
 
 def _gone():
@@ -88,6 +104,7 @@ class GradStats(GradRows):
         self._host_key = None
         self._host: GradReport | None = None
         self._seen: tuple[list, list[int]] | None = None  # (weak refs, versions) of every gradient when computed
+        self._trusted: tuple | None = None  # (span, key): the gradients were found the step's in this span (`_hit`)
         # Rank-agreed state of the current step label (see the module docstring): the gathered per-rank vectors.
         self._agreed_step: int | None = None
         self._agreed_rows: list[list[float]] | None = None
@@ -130,7 +147,7 @@ class GradStats(GradRows):
 
     def invalidate(self) -> None:
         """Forget the cached result (the next call computes again; the step's rank-agreed numbers are kept)."""
-        self._dev_key = self._dev = self._host_key = self._host = self._seen = None
+        self._dev_key = self._dev = self._host_key = self._host = self._seen = self._trusted = None
 
     def begin_step(self) -> None:
         """Forget the previous step's rank-agreed numbers (every rank calls it at the start of each step; hf_stable
@@ -221,15 +238,23 @@ class GradStats(GradRows):
         gradient dropped since (a skip in this step).
 
         A gradient edited in place or replaced since, a new run restarting the step count, or
-        `zero_grad(set_to_none=False)` reuse across steps all miss. Cost: two attribute reads per tensor.
+        `zero_grad(set_to_none=False)` reuse across steps all miss. Cost: two attribute reads per tensor; none when
+        the gradients were found the step's earlier in the same span of hf_stable's own callbacks (`open_span`:
+        nothing else has run since).
         """
         if key is None or step is None or key[0] != step or self._seen is None:
             return False
+        span = _SPAN[0]
+        trusted = self._trusted
+        if span is not None and trusted is not None and trusted[0] is span and trusted[1] is key:
+            return True
         grads = self._grads()
         refs, versions = self._seen
-        if _versions(grads) == versions and all(map(operator.is_, grads, [r() for r in refs])):
-            return True
-        return all(g is None for g in grads)
+        hit = (_versions(grads) == versions and all(map(operator.is_, grads, [r() for r in refs]))) or all(
+            g is None for g in grads
+        )
+        self._trusted = (span, key) if hit and span is not None else None
+        return hit
 
     def _carried_scale(self, step, grads: list, present) -> torch.Tensor | None:
         """The clip scale of this step's previous computation when the gradients were edited in place since (same
@@ -267,6 +292,7 @@ class GradStats(GradRows):
         self._seen = self._fingerprint(every)
         if not grads or type(grads[0]).__name__ == "DTensor" or type(grads[-1]).__name__ == "DTensor":
             self._dev_key, self._dev = self._key(step), None
+            self._trust()
             return None
         home = grads[0].device
         # One foreach call per device (entries are device-contiguous), results gathered on the first device.
@@ -303,7 +329,13 @@ class GradStats(GradRows):
             scale=carried,
         )
         self._dev_key = self._key(step)
+        self._trust()
         return self._dev
+
+    def _trust(self) -> None:
+        """The gradients were just read: inside a span of hf_stable's callbacks they need no check until it ends."""
+        span = _SPAN[0]
+        self._trusted = (span, self._dev_key) if span is not None else None
 
     def _param_max_abs(self, dev: DeviceGradStats) -> torch.Tensor | None:
         """Per-tensor max |g| (computed once per step, on request); None when gradients were dropped since
