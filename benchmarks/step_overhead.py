@@ -176,29 +176,43 @@ class Baton:
             self.cond.wait_for(lambda: len(self.done) == self.n)  # no post-training work beside another's steps
 
 
-def make_turn_callback(baton: Baton, i: int, clock, sync, steps: list):
-    """Step marks for an interleaved run: each step is timed from taking the baton to handing it on."""
-    from transformers import TrainerCallback
+def interleave(trainer, baton: Baton, i: int, profile: Profile, steps: list, sync) -> None:
+    """Time `trainer`'s steps in an interleaved run: each step from taking the baton to handing it on (the handing on
+    happens in the handler's `on_step_begin`, outside the timed callbacks), with the few parts every arm has timed
+    alike: forward, backward, grad norm, optimizer, and the callbacks as a whole (the handler's `call_event`)."""
+    handler, clock = trainer.callback_handler, profile.now
+    trainer.compute_loss = profile.wrap(trainer.compute_loss, "forward")
+    trainer.accelerator.backward = profile.wrap(trainer.accelerator.backward, "backward")
+    trainer._clip_grad_norm = profile.wrap(trainer._clip_grad_norm, "grad norm")
+    trainer._get_grad_norm = profile.wrap(trainer._get_grad_norm, "grad norm")
+    handler.call_event = profile.wrap(handler.call_event, "cb:all")
+    begin, step_begin, end = handler.on_train_begin, handler.on_step_begin, handler.on_train_end
+    start: list = []
 
-    class TurnMarks(TrainerCallback):
-        start = None
+    def on_train_begin(args, state, control):
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        inner.register_step_pre_hook(lambda *a: profile.push("optimizer"))
+        inner.register_step_post_hook(lambda *a: profile.pop())
+        control = begin(args, state, control)
+        baton.arrive(i)
+        return control
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            baton.arrive(i)
+    def on_step_begin(args, state, control):
+        sync()
+        if start:
+            steps.append(clock() - start[-1])
+        baton.pass_on(i)
+        start.append(clock())
+        profile.mark_step()
+        return step_begin(args, state, control)
 
-        def on_step_begin(self, args, state, control, **kwargs):
-            sync()
-            if self.start is not None:
-                steps.append(clock() - self.start)
-            baton.pass_on(i)
-            self.start = clock()
+    def on_train_end(args, state, control):
+        sync()
+        steps.append(clock() - start[-1])
+        baton.finish(i)
+        return end(args, state, control)
 
-        def on_train_end(self, args, state, control, **kwargs):
-            sync()
-            steps.append(clock() - self.start)
-            baton.finish(i)
-
-    return TurnMarks()
+    handler.on_train_begin, handler.on_step_begin, handler.on_train_end = on_train_begin, on_step_begin, on_train_end
 
 
 def prepare(steps: int, out: str, adamw_impl: str):
@@ -279,21 +293,17 @@ def run_arm(arm: str, prepared, clock: str, breakdown: bool = True) -> dict[str,
     return profile.summary()
 
 
-def run_interleaved(arms: list[str], prepared, clock: str) -> dict[str, float]:
-    """Mean step ms of each arm, the arms trained in one process with their steps alternating one by one (each in
-    its own thread, one running at a time); steps 1-2 and the last are left out, as in `Profile.summary`."""
+def run_interleaved(arms: list[str], prepared, clock: str) -> dict[str, dict[str, float]]:
+    """Per arm, the mean ms of a step and of its parts, the arms trained in one process with their steps alternating
+    one by one (each in its own thread, one running at a time); steps 1-2 and the last are left out, as in
+    `Profile.summary`."""
+    from transformers import TrainerCallback
+
     baton = Baton(len(arms))
     steps: dict[str, list[float]] = {arm: [] for arm in arms}
-    trainers = [
-        build_arm(
-            arm,
-            prepared,
-            clock,
-            breakdown=False,
-            marks=make_turn_callback(baton, i, _clock(clock), _sync(clock), steps[arm]),
-        )[0]
-        for i, arm in enumerate(arms)
-    ]
+    built = [build_arm(arm, prepared, clock, breakdown=False, marks=TrainerCallback()) for arm in arms]
+    for i, (arm, (trainer, profile)) in enumerate(zip(arms, built, strict=True)):
+        interleave(trainer, baton, i, profile, steps[arm], _sync(clock))
     errors = []
 
     def train(trainer):
@@ -302,14 +312,24 @@ def run_interleaved(arms: list[str], prepared, clock: str) -> dict[str, float]:
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=train, args=(t,)) for t in trainers]
+    threads = [threading.Thread(target=train, args=(t,)) for t, _ in built]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    return {arm: 1e3 * statistics.fmean(xs[WARMUP:-1]) for arm, xs in steps.items()}
+    out = {}
+    for arm, (_, profile) in zip(arms, built, strict=True):
+        rows = []
+        for k in range(WARMUP, len(steps[arm]) - 1):
+            row = {name: 1e3 * v for name, v in profile.steps[k].items()}
+            row["total"] = 1e3 * steps[arm][k]
+            row["callbacks"] = row.pop("cb:all", 0.0)
+            row["other"] = row["total"] - sum(v for n, v in row.items() if n not in ("total", "other"))
+            rows.append(row)
+        out[arm] = {n: statistics.fmean(r.get(n, 0.0) for r in rows) for n in {n for r in rows for n in r}}
+    return out
 
 
 def table(results: dict[str, list[dict]], rounds: int) -> str:
@@ -348,17 +368,23 @@ def main(argv: list[str]) -> None:
         p.error(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
     results: dict[str, list[dict]] = {arm: [] for arm in arms}  # the instrumented runs: the per-part table
     totals: dict[str, list[float]] = {arm: [] for arm in arms}  # the plain runs: the paired ratio
+    plain: dict[str, list[dict]] = {arm: [] for arm in arms}  # ... and their common parts
     ratios = []
     with tempfile.TemporaryDirectory() as out:
         prepared = prepare(a.steps, out, a.adamw_impl)
-        for r in range(a.rounds):  # plain rounds: the arms' steps interleaved, nothing but the steps timed
+        for r in range(a.rounds):  # plain rounds: the arms' steps interleaved, only the common parts timed
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
-            means = run_interleaved(order, prepared, a.clock)
+            parts = run_interleaved(order, prepared, a.clock)
             for arm in order:
-                totals[arm].append(means[arm])
-                print(f"round={r} plain arm={arm} total_ms={means[arm]:.2f}", flush=True)
-            if "bare" in means and "default" in means:
-                ratios.append(means["default"] / means["bare"])
+                totals[arm].append(parts[arm]["total"])
+                plain[arm].append(parts[arm])
+                print(
+                    f"round={r} plain arm={arm} "
+                    + " ".join(f"{p}={parts[arm].get(p, 0.0):.2f}" for p in (*PARTS, "total")),
+                    flush=True,
+                )
+            if "bare" in parts and "default" in parts:
+                ratios.append(parts["default"]["total"] / parts["bare"]["total"])
         for r in range(a.breakdown_rounds):  # instrumented rounds, one arm at a time: the per-part table
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
             for arm in order:
@@ -372,10 +398,26 @@ def main(argv: list[str]) -> None:
     if a.breakdown_rounds:
         print(table(results, a.breakdown_rounds))
     nan = float("nan")
-    print(
-        "\nplain runs, total ms per step, median: "
-        + " ".join(f"{arm}={statistics.median(t):.2f}" for arm, t in totals.items() if t)
-    )
+    if plain.get("bare") and plain.get("default"):
+        print(
+            f"\ninterleaved plain runs, ms per step, median over {a.rounds} rounds (default - bare: median of the"
+            " paired per-round differences)\n"
+        )
+        print("| arm | " + " | ".join(PARTS) + " | total |\n" + "|---" * (len(PARTS) + 2) + "|")
+        for arm in ("bare", "default"):
+            print(
+                f"| {arm} | "
+                + " | ".join(f"{statistics.median(r.get(p, 0.0) for r in plain[arm]):.2f}" for p in (*PARTS, "total"))
+                + " |"
+            )
+        pairs = list(zip(plain["default"], plain["bare"], strict=True))
+        print(
+            "| default - bare | "
+            + " | ".join(
+                f"{statistics.median(d.get(p, 0.0) - b.get(p, 0.0) for d, b in pairs):+.3f}" for p in (*PARTS, "total")
+            )
+            + " |"
+        )
     if ratios:
         print("\npaired per-round ratio default/bare: " + " ".join(f"{x:.3f}" for x in ratios))
     opt = statistics.median(r["optimizer"] for r in results["bare"]) if results.get("bare") else nan
@@ -383,7 +425,7 @@ def main(argv: list[str]) -> None:
         statistics.median(r["optimizer"] for r in results["trainer_adamw"]) if results.get("trainer_adamw") else nan
     )
     own = ("grad norm", "optimizer", "callbacks")  # the parts the layer adds to directly (forward hooks aside)
-    pairs = zip(results.get("default", []), results.get("bare", []), strict=False)
+    pairs = zip(plain.get("default", []), plain.get("bare", []), strict=False)  # interleaved: the steadier pairs
     layer_ms = [sum(d.get(p, 0.0) - b.get(p, 0.0) for p in own) for d, b in pairs]
     print(
         f"layer_ms={statistics.median(layer_ms) if layer_ms else nan:.3f} "

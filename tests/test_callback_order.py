@@ -174,11 +174,25 @@ class StepBeginRecorder(TrainerCallback):
         self.calls.append((self.name, state.global_step))
 
 
+class BaseHooksSpy(StabilityCallback):
+    """A StabilityCallback with only the base class's hooks; records the hooks the handler looks up on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lookups: list[str] = []
+
+    def __getattribute__(self, attr):
+        if attr.startswith("on_step"):
+            object.__getattribute__(self, "lookups").append(attr)
+        return object.__getattribute__(self, attr)
+
+
 @pytest.mark.parametrize("cls", [Trainer, StableTrainer])
 def test_stable_trainer_calls_only_the_hooks_that_act_in_the_listed_order(cls, tmp_path):
-    """`StableTrainer` skips TrainerCallback's no-op hooks (`skip_noop_hooks`); every hook that acts - a class's
-    own or one patched onto an instance before training - runs at every event, in the listed order, as in the stock
-    Trainer."""
+    """`StableTrainer` skips TrainerCallback's no-op hooks (`skip_noop_hooks`), the base StabilityCallback's
+    `on_step_end` (the state is written at checkpoints) and all but the first base `on_step_begin` (one start of the
+    step's shared statistics does for all); every hook that acts - a class's own or one patched onto an instance
+    before training - runs at every event, in the listed order, as in the stock Trainer."""
     calls: list = []
     first, idle, patched, last = (
         StepBeginRecorder("first", calls),
@@ -186,11 +200,12 @@ def test_stable_trainer_calls_only_the_hooks_that_act_in_the_listed_order(cls, t
         LookupSpy("patched", calls),
         StepBeginRecorder("last", calls),
     )
+    base_a, base_b = BaseHooksSpy(), BaseHooksSpy()
     trainer = cls(
         model=tiny_lora_llama(),
         args=training_args(tmp_path, max_steps=3, per_device_train_batch_size=2),
         train_dataset=token_data(8),
-        callbacks=[first, idle, patched, last],
+        callbacks=[first, base_a, idle, patched, base_b, last],
     )
     patched.on_step_begin = lambda args, state, control, **kw: calls.append(("patched", state.global_step))
     trainer.train()
@@ -198,8 +213,11 @@ def test_stable_trainer_calls_only_the_hooks_that_act_in_the_listed_order(cls, t
     if cls is StableTrainer:
         assert "on_pre_optimizer_step" not in idle.lookups and "on_step_begin" not in idle.lookups
         assert "on_pre_optimizer_step" not in patched.lookups
+        assert base_a.lookups.count("on_step_begin") == 3 and "on_step_begin" not in base_b.lookups
+        assert "on_step_end" not in base_a.lookups + base_b.lookups
     else:  # the stock handler looks up (and calls) every hook of every callback
         assert idle.lookups.count("on_pre_optimizer_step") == 3
+        assert base_a.lookups.count("on_step_end") == base_b.lookups.count("on_step_begin") == 3
 
 
 class OwnStabilityCallback(StabilityCallback):

@@ -25,6 +25,7 @@ from __future__ import annotations
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.compact_printer import CompactPrinter
 from hf_stable.core.grad_stats import close_span, open_span
 
@@ -97,6 +98,28 @@ def _patched(callback: TrainerCallback, event: str) -> bool:
     return event in getattr(callback, "__dict__", {})
 
 
+def _live(callbacks: tuple, event: str) -> list[tuple[TrainerCallback, bool]]:
+    """(callback, whether it is ours) for each callback whose hook for `event` acts, in order. Two hooks of the base
+    class act less than once per callback: `StabilityCallback.on_step_end` writes nothing when the trainer writes the
+    callbacks' state at its checkpoints (`writes_state_at_checkpoints`, StableTrainer), and
+    `StabilityCallback.on_step_begin` starts the step of the model's shared statistics, which the first of them does
+    for all (every callback gets the same model)."""
+    out, began = [], False
+    for cb in callbacks:
+        if not _acts(cb, event):
+            continue
+        patched = _patched(cb, event)
+        hook = getattr(type(cb), event, None)
+        if not patched and hook is StabilityCallback.on_step_end and cb.writes_state_at_checkpoints:
+            continue
+        if not patched and hook is StabilityCallback.on_step_begin:
+            if began:
+                continue
+            began = True
+        out.append((cb, _ours(cb) and not patched))
+    return out
+
+
 def skip_noop_hooks(handler) -> None:
     """Make `handler.call_event` call only the callbacks whose hook for the event is not TrainerCallback's no-op.
 
@@ -104,7 +127,7 @@ def skip_noop_hooks(handler) -> None:
     ~20 callbacks, half of them without an `on_pre_optimizer_step` or `on_optimizer_step`, that is ~0.04 ms a step of
     calls that do nothing. The same callbacks run, in the same order, with the same arguments. Which callbacks act is
     listed once per event and list of callbacks, and listed afresh at every `on_train_begin` (a hook patched onto an
-    instance before training counts).
+    instance before training counts). Two base-class hooks that would repeat one another are called once (`_live`).
 
     A run of consecutive hf_stable callbacks is a span (`core.grad_stats.open_span`): the step's gradients, once found
     unchanged in it, are not checked again by the next of them (each check reads every gradient's identity and
@@ -123,10 +146,7 @@ def skip_noop_hooks(handler) -> None:
         callbacks = tuple(handler.callbacks)
         cached = live.get(event)
         if cached is None or cached[0] != callbacks or event == "on_train_begin":
-            cached = live[event] = (
-                callbacks,
-                [(cb, _ours(cb) and not _patched(cb, event)) for cb in callbacks if _acts(cb, event)],
-            )
+            cached = live[event] = (callbacks, _live(callbacks, event))
         try:
             for callback, ours in cached[1]:
                 if ours:
