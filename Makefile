@@ -3,7 +3,7 @@
 #   make test   - install, then run the test suite
 #   make demo-grpo - the demo's SFT run (skipped when outputs/default holds it), then the GRPO stage from its adapter
 # For the inner loop:
-#   make test-fast - the suite without subprocess recipe runs, 2-process, DeepSpeed and wheel tests (~2 min on 2 cores: 858 tests)
+#   make test-fast - the suite without subprocess recipe runs, 2-process, DeepSpeed and wheel tests (~2 min on 2 cores: 865 tests)
 #   make lint      - ruff's rules and formatting, checked (`ruff check --fix .` / `ruff format .` apply them)
 VENV ?= .venv
 PYTHON ?= python3
