@@ -1,11 +1,11 @@
 """Where a training step's time goes: the bare `StableTrainer` against the recipe's default callbacks, part by part.
 
-    OMP_NUM_THREADS=1 python benchmarks/step_overhead.py [--rounds 5] [--steps 60] [--clock thread|wall]
-                                                         [--arms bare,default,trainer_adamw] [--adamw-impl auto]
+    OMP_NUM_THREADS=1 python benchmarks/step_overhead.py [--rounds 5] [--breakdown-rounds 2] [--steps 60]
+        [--clock thread|wall] [--arms bare,default,trainer_adamw] [--adamw-impl auto]
 
 Builds the recipe's pieces in-process as `scripts/finetune.py` does (the embedded default: its base, data, LoRA r 16
 on the 7 projections, the optimizer factory's groups, `StableTrainer` with the chunked loss) and trains `--steps`
-steps per arm, the arms alternating inside the one process (`--rounds` rounds, the order rotated each round):
+steps per arm:
 
 * `bare`: `StableTrainer` with only the preemption / checkpoint-marker / printer callbacks (its own shared-norm
   clip at the Trainer's default `max_grad_norm=1.0`).
@@ -14,25 +14,30 @@ steps per arm, the arms alternating inside the one process (`--rounds` rounds, t
 * `trainer_adamw`: `bare` with the Trainer's own optimizer (`adamw_torch_fused`, 2 groups: what TRL's SFTTrainer
   builds) instead of the factory's (LLRD x LoRA+ groups): the optimizer column against TRL's.
 
-Each step (from one `on_step_begin` to the next) is split into forward (`compute_loss`, the chunked loss and every
-forward hook in it), backward (`accelerator.backward`), grad norm (`_clip_grad_norm` / `_get_grad_norm`), optimizer
-(the torch optimizer's `step`), each callback by class (all its hooks that step) and other (the rest: data, zero_grad,
-the LR schedule, the Trainer's logging). Regions nest (a callback called inside another region counts for itself
-only). Clock: `thread` (default) is this thread's CPU time (`time.thread_time`); with `OMP_NUM_THREADS=1` every op runs
-on it, so the numbers hold on a machine other jobs share; `wall` for an idle machine (a GPU: the step marks
-synchronize). Steps 1-2 of each run are warm-up and left out; a part's value is its mean over the remaining steps,
-the table shows the median over the `--breakdown-rounds` instrumented rounds. The paired ratio is `default / bare`
-total of the same round over `--rounds` plain rounds, where only the step marks are timed: timing every hook costs
-~1-2 us a call, ~0.07 ms a step with the default layer's ~45 hooked calls, which would count against it.
+Two kinds of rounds, the order of the arms rotated each round:
 
-On a 2-core machine, pin the run to one core (`taskset -c 1`) and take `--rounds 10`: the paired per-round ratio
-scatters by ~2 % between rounds there (a median of 5 moved by ~1 % between runs), the part totals less.
+* `--rounds` plain, interleaved rounds give the ratio: every arm is built in the one process and trained in its own
+  thread, one running at a time, the baton handed on at each step, so the arms' steps alternate one by one and a
+  machine whose speed drifts (a shared host: up to 15 % over minutes) slows them alike. Only what every arm has is
+  timed: forward (`compute_loss`, the chunked loss and every forward hook in it), backward (`accelerator.backward`),
+  grad norm (`_clip_grad_norm` / `_get_grad_norm`), optimizer (the torch optimizer's `step`), callbacks (the
+  handler's `call_event`, all callbacks together) and other (the rest: data, zero_grad, the LR schedule, the
+  Trainer's logging). A step runs from taking the baton to handing it on.
+* `--breakdown-rounds` instrumented rounds, one arm at a time, give the per-callback table: every hook that is not
+  TrainerCallback's no-op is timed by class. Timing a hook costs ~1-2 us a call, ~0.05-0.1 ms a step with the
+  default layer's ~45 hooked calls, which is why the ratio does not come from these.
 
-Last line: `layer_ms=<median of default - bare over grad norm + optimizer + callbacks> layer_ratio=<median>
-layer_ratio_min=<> layer_ratio_max=<> optimizer_ms=<factory, bare arm> trainer_optimizer_ms=<trainer_adamw>
-clock=<clock>`. `layer_ms` is the layer's own time, steadier than the total ratio on a shared machine (forward and
-backward scatter by ~1 ms between runs there); the forward hooks it adds (the loss tap, sampled attention probe, the
-forensics' per-row statistics) are in the forward column only.
+Regions nest (a callback called inside another region counts for itself only). Clock: `thread` (default) is this
+thread's CPU time (`time.thread_time`); `wall` for an idle machine (a GPU: the step marks synchronize). Steps 1-2 of
+each run and the last are left out; a part's value is its mean over the remaining steps, the tables show medians over
+rounds, and `default - bare` the median of the paired per-round differences. On a 2-core machine pin the run to one
+core (`taskset -c 1`); the interleaved per-round ratio scatters by ~±1 % (each round builds fresh models, whose
+memory layout moves a step by about that much), so take 6 or more rounds.
+
+Last line: `layer_ms=<median paired difference default - bare over grad norm + optimizer + callbacks, interleaved>
+layer_ratio=<median paired ratio> layer_ratio_min=<> layer_ratio_max=<> optimizer_ms=<factory, bare arm, instrumented>
+trainer_optimizer_ms=<trainer_adamw, instrumented> clock=<clock>`. `layer_ms` is the layer's own time; the forward
+hooks it adds (the loss tap, the sampled attention probe, the forensics' per-row statistics) are in the forward column.
 """
 
 from __future__ import annotations
