@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py [--rounds 5] [--breakdown-rounds 2] [--steps 60]
         [--clock thread|wall] [--arms bare,default,trainer_adamw] [--adamw-impl auto]
+        [--set SECTION.FIELD=VALUE ...]
 
 Builds the recipe's pieces in-process as `scripts/finetune.py` does (the embedded default: its base, data, LoRA r 16
 on the 7 projections, the optimizer factory's groups, `StableTrainer` with the chunked loss) and trains `--steps`
@@ -58,13 +59,16 @@ PARTS = ("forward", "backward", "grad norm", "optimizer", "callbacks", "other")
 ARMS = ("bare", "default", "trainer_adamw")
 
 
-def prepare(steps: int, out: str, adamw_impl: str):
+def prepare(steps: int, out: str, adamw_impl: str, overrides: list[str] = ()):
     from hf_stable.config import load_config
     from hf_stable.data import build_data
     from hf_stable.modeling import load_tokenizer, resolve_base
 
     argv = ["--training.max_steps", str(steps), "--training.output_dir", out, "--evaluation.before", "false"]
     argv += ["--optim.adamw_impl", adamw_impl]
+    for item in overrides:  # `section.field=value`, as the recipe's `--section.field value`
+        key, _, value = item.partition("=")
+        argv += [f"--{key}", value]
     cfg = load_config(argv=argv)
     base = resolve_base(cfg.model)
     tokenizer = load_tokenizer(cfg.model, base)
@@ -194,6 +198,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--clock", choices=("thread", "wall"), default="thread")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--adamw-impl", default="auto", choices=("auto", "fused", "foreach", "for_loop"))
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="a config field for every arm, e.g. --set attention.monitor_interval=0 (repeatable)",
+    )
     a = p.parse_args(argv)
     arms = a.arms.split(",")
     if unknown := set(arms) - set(ARMS):
@@ -203,7 +214,7 @@ def main(argv: list[str]) -> None:
     plain: dict[str, list[dict]] = {arm: [] for arm in arms}  # ... and their common parts
     ratios = []
     with tempfile.TemporaryDirectory() as out:
-        prepared = prepare(a.steps, out, a.adamw_impl)
+        prepared = prepare(a.steps, out, a.adamw_impl, a.set)
         for r in range(a.rounds):  # plain rounds: the arms' steps interleaved, only the common parts timed
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
             parts = run_interleaved(order, prepared, a.clock)
