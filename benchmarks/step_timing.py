@@ -59,14 +59,19 @@ class Profile:
         return {n: statistics.fmean(row.get(n, 0.0) for row in rows) for n in names}
 
 
-def instrument(trainer, profile: Profile, skip) -> None:
-    """Time the trainer's parts and every callback hook that is not TrainerCallback's no-op."""
-    from transformers import TrainerCallback
-
+def time_parts(trainer, profile: Profile) -> None:
+    """Time the parts every arm has: forward (`compute_loss`), backward, grad norm (the clip or the norm alone)."""
     trainer.compute_loss = profile.wrap(trainer.compute_loss, "forward")
     trainer.accelerator.backward = profile.wrap(trainer.accelerator.backward, "backward")
     trainer._clip_grad_norm = profile.wrap(trainer._clip_grad_norm, "grad norm")
     trainer._get_grad_norm = profile.wrap(trainer._get_grad_norm, "grad norm")
+
+
+def instrument(trainer, profile: Profile, skip) -> None:
+    """Time the trainer's parts and every callback hook that is not TrainerCallback's no-op."""
+    from transformers import TrainerCallback
+
+    time_parts(trainer, profile)
     hooks = [n for n in vars(TrainerCallback) if n.startswith("on_")]
     for cb in trainer.callback_handler.callbacks:
         if cb is skip:
@@ -138,10 +143,7 @@ def interleave(trainer, baton: Baton, i: int, profile: Profile, steps: list, syn
     happens in the handler's `on_step_begin`, outside the timed callbacks), with the few parts every arm has timed
     alike: forward, backward, grad norm, optimizer, and the callbacks as a whole (the handler's `call_event`)."""
     handler, clock = trainer.callback_handler, profile.now
-    trainer.compute_loss = profile.wrap(trainer.compute_loss, "forward")
-    trainer.accelerator.backward = profile.wrap(trainer.accelerator.backward, "backward")
-    trainer._clip_grad_norm = profile.wrap(trainer._clip_grad_norm, "grad norm")
-    trainer._get_grad_norm = profile.wrap(trainer._get_grad_norm, "grad norm")
+    time_parts(trainer, profile)
     handler.call_event = profile.wrap(handler.call_event, "cb:all")
     begin, step_begin, end = handler.on_train_begin, handler.on_step_begin, handler.on_train_end
     start: list = []
