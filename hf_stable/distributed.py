@@ -171,11 +171,16 @@ def all_gather_tensor(tensor):
     return out.to(tensor.device, copy=True).reshape(dist.get_world_size(), *tensor.shape)
 
 
-def all_gather_lists(tensor) -> list[list]:
+def all_gather_lists(tensor, tail: list[float] = ()) -> list[list]:
     """`all_gather_tensor(tensor).tolist()` of a vector: every rank's values, one list per rank, on every rank (one
-    process: the one list, without the leading dimension's op)."""
+    process: the one list, without the leading dimension's op). `tail`: host numbers that end each rank's list (the
+    same count on every rank), sent in the same collective (one process: appended, no tensor made)."""
     if not is_distributed():
-        return [tensor.tolist()]
+        return [tensor.tolist() + list(tail)]
+    if tail:
+        import torch
+
+        tensor = torch.cat([tensor, torch.tensor(tail, dtype=tensor.dtype, device=tensor.device)])
     return all_gather_tensor(tensor).tolist()
 
 

@@ -52,11 +52,12 @@ def sharded_report(
     """Every rank holds a part of each gradient: a norm is the root of the summed squares of the parts, a tensor is
     non-finite when a part of it is on some rank, max |g| is the largest part.
 
-    A row is [group norms G, non-finite counts G, the tail slots `col`, the extras `keys`, squared norm per tensor].
+    A row is [group norms G, non-finite counts G, the tail slots `col`, squared norm per tensor, the extras `keys`].
     """
     n_groups = len(group_names)
     first = 2 * n_groups + len(col)
-    extras = {k: sum(row[first + j] for row in rows) for j, k in enumerate(keys)}
+    at = first + len(names)
+    extras = {k: sum(row[at + j] for row in rows) for j, k in enumerate(keys)}
     rank_norms = [row[col["global"]] for row in rows]
     if dev is None or any(row[col["available"]] < 0.5 for row in rows):
         everywhere = all(row[col["available"]] < 0.5 for row in rows)
@@ -64,7 +65,7 @@ def sharded_report(
         return GradReport(
             step=step, available=False, reason=reason, extras=extras, rank_norms=rank_norms, sharded=True
         )
-    squares = [sum(row[first + len(keys) + i] for row in rows) for i in range(len(names))]
+    squares = [sum(row[first + i] for row in rows) for i in range(len(names))]
     norms = [math.sqrt(v) if math.isfinite(v) else math.nan for v in squares]
     finite = [(v, i) for i, v in enumerate(norms) if math.isfinite(v)]
     top_norm, top = max(finite) if finite else (-1.0, 0)

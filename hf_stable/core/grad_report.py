@@ -21,7 +21,8 @@ class DeviceGradStats:
         param_norms: float32 [P] L2 norm of each gradient.
         param_max_abs: float32 [P] max |g| of each gradient, or None until asked for (see `GradStats.compute`).
         group_norms: float32 [G] L2 norm per group.
-        nonfinite: float32 [G] number of tensors per group whose gradient holds NaN/Inf.
+        nonfinite: float32 [G] number of tensors per group whose gradient holds NaN/Inf, under a sharded engine;
+            None otherwise (the report counts them on the host from the per-tensor norms).
         global_norm: float32 scalar, L2 norm over every gradient.
         group_ids: host copy of `group_index` (known without a transfer).
         scale: device scalar the gradients were multiplied by after these statistics were taken (a clip by
@@ -35,7 +36,7 @@ class DeviceGradStats:
     param_norms: torch.Tensor
     param_max_abs: torch.Tensor | None
     group_norms: torch.Tensor
-    nonfinite: torch.Tensor
+    nonfinite: torch.Tensor | None
     global_norm: torch.Tensor
     group_ids: list[int]
     scale: torch.Tensor | None = None

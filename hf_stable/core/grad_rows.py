@@ -11,12 +11,19 @@ import torch
 
 from hf_stable.core.grad_combine import best_rank as _best_rank
 from hf_stable.core.grad_combine import fill_max_abs, sharded_report
-from hf_stable.core.grad_combine import param_name as _name
 from hf_stable.core.grad_combine import worst as _worst
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
-from hf_stable.distributed import all_gather_lists, all_gather_tensor, rank
+from hf_stable.distributed import all_gather_lists, all_gather_tensor, is_distributed, rank
 
 _CONSTANTS: dict = {}
+
+
+def top_of(norms: list[float]) -> tuple[float, float]:
+    """(the largest finite value, its first index) of a rank's per-tensor norms; (-1, 0) when none is finite (a
+    tensor without a gradient counts -1)."""
+    finite = [v if v < math.inf else -1.0 for v in norms]  # (NaN < inf is False)
+    best = max(finite, default=-1.0)
+    return (best, float(finite.index(best))) if best >= 0 else (-1.0, 0.0)
 
 
 def _constant(values: tuple[float, ...], device) -> torch.Tensor:
@@ -32,16 +39,27 @@ class GradRows:
     """Mixin of `GradStats` (which provides `engine`, `_sources`, `_group_names`, `_ensure_entries`, `_present`,
     `_param_max_abs`, `_dev_key` and the step's rank-agreed `_agreed_*` state it initialises and resets)."""
 
-    def _extras(self, device) -> tuple[list[str], list[torch.Tensor]]:
-        """(keys, [one vector of their values]) of the sources' scalars ([] without any)."""
-        keys, vals = [], []
+    def _extras(self, device) -> tuple[list[str], list[torch.Tensor], list[float]]:
+        """(keys, the device values as one-element vectors for the row's one `cat`, the host values) of the sources'
+        scalars. A source may give a host number (a count it already has on the host): in one process it ends the row
+        as it is (its key after the device values'), with no tensor made for it - making one is the costliest op of the
+        row; distributed, it goes into the vector in the sources' order, which is the same on every rank whichever
+        values a rank holds on the host."""
+        keys, vals, host_keys, host = [], [], [], []
+        hold = not is_distributed()
         for fn in self._sources.values():
             for k, v in (fn() or {}).items():
+                if isinstance(v, (int, float)):
+                    if hold:
+                        host_keys.append(k)
+                        host.append(float(v))
+                        continue
+                    v = torch.tensor(float(v), dtype=torch.float32, device=device)
                 keys.append(k)
                 v = v.to(device=device, dtype=torch.float32)  # (the same tensor when it is already: no op)
                 v = v.detach() if v.requires_grad else v
-                vals.append(v if v.dim() == 0 else v.reshape(()))
-        return keys, [torch.stack(vals)] if vals else []
+                vals.append(v.reshape(1))
+        return keys + host_keys, vals, host
 
     @staticmethod
     def _best(values: torch.Tensor) -> torch.Tensor:
@@ -49,11 +67,16 @@ class GradRows:
         best = torch.max(torch.nan_to_num(values, nan=-1.0, posinf=-1.0, neginf=-1.0), dim=0)
         return torch.stack([best.values.float(), best.indices.float()])
 
-    # Layout of one rank's vector: group norms [G], non-finite counts [G], then _TAIL named slots, then the extras.
+    # Layout of one rank's row: group norms [G], non-finite counts [G], then _TAIL named slots, one value per statistics
+    # tensor (`_local_vector`), then the extras (the sources' device values, then their host values).
     _TAIL = ("global", "top_norm", "top_arg", "available", "has_max", "max_abs", "max_arg")
 
     def _slot(self, name: str) -> int:
         return 2 * len(self._group_names) + self._TAIL.index(name)
+
+    def _extras_at(self) -> int:
+        """Where the extras start in a row."""
+        return 2 * len(self._group_names) + len(self._TAIL) + len(self._ensure_entries())
 
     @staticmethod
     def _max_part(dev: DeviceGradStats | None, per_tensor: torch.Tensor | None, device) -> torch.Tensor:
@@ -63,28 +86,57 @@ class GradRows:
         return torch.cat([_constant((1.0,), device), GradRows._best(per_tensor)])
 
     def _local_vector(self, dev: DeviceGradStats | None, max_abs: bool, reuse_extras: bool = False):
-        """(extras keys, this rank's vector); `reuse_extras` takes this rank's extras from the step's gathered row (the
-        loss does not change when a gradient is edited, and its sources are read once per step)."""
+        """(extras keys, this rank's vector, the host values that end its row); `reuse_extras` takes this rank's extras
+        from the step's gathered row (the loss does not change when a gradient is edited, and its sources are read once
+        per step).
+
+        After the named slots comes one value per statistics tensor, in entry order: its squared norm under a sharded
+        engine (summed over ranks in the report), else its norm (-1 without a gradient), from which the report finds
+        the largest finite one on the host (`top_of`) - cheaper than finding it on the device."""
         entries = self._ensure_entries()
         n_groups = len(self._group_names)
         device = dev.global_norm.device if dev is not None else next((p.device for _, p, _ in entries), "cpu")
-        if dev is None:
-            head = [torch.zeros(2 * n_groups + 4, device=device)]
-            head[0][2 * n_groups + 1] = -1.0  # no finite top norm
-        else:  # (one cat for the whole vector below: each small op costs more than its arithmetic on CPU)
-            ones = _constant((1.0,), device)
-            head = [dev.group_norms, dev.nonfinite, dev.global_norm.reshape(1), self._best(dev.param_norms), ones]
+        sharded = self.engine.sharded
         per_tensor = self._param_max_abs(dev) if (max_abs and dev is not None) else None
-        if reuse_extras:
-            first = 2 * n_groups + len(self._TAIL)
-            saved = self._agreed_rows[rank()][first : first + len(self._agreed_keys)]
-            keys, extras = self._agreed_keys, [torch.tensor(saved, device=device)]
-        else:
-            keys, extras = self._extras(device)
-        parts = [*head, self._max_part(dev, per_tensor, device), *extras]
-        if self.engine.sharded:  # each rank holds part of every tensor: its squared norms, summed over ranks
+        if dev is None:
+            head = torch.zeros(2 * n_groups + 4, device=device)
+            head[2 * n_groups + 1] = -1.0  # no finite top norm
+            parts = [head, self._max_part(None, None, device)]
+        else:  # (one cat for the whole vector below: each small op costs more than its arithmetic on CPU)
+            # unsharded, the non-finite counts are the host's (`_nonfinite_counts`): zeros hold their places
+            nonfinite = dev.nonfinite if dev.nonfinite is not None else _constant((0.0,) * n_groups, device)
+            parts = [dev.group_norms, nonfinite, dev.global_norm.reshape(1)]
+            if sharded:
+                parts += [self._best(dev.param_norms), _constant((1.0,), device)]
+            elif per_tensor is None:  # top norm / index found on the host; available; no max |g|
+                parts.append(_constant((-1.0, 0.0, 1.0, 0.0, -1.0, 0.0), device))
+                per_tensor = False
+            else:
+                parts.append(_constant((-1.0, 0.0, 1.0), device))
+            if per_tensor is not False:
+                parts.append(self._max_part(dev, per_tensor, device))
+        if sharded:  # each rank holds part of every tensor: its squared norms, summed over ranks
             parts.append(self._tensor_squares(dev, len(entries), device))
-        return keys, torch.cat(parts)
+        else:
+            parts.append(self._tensor_norms(dev, len(entries), device))
+        if reuse_extras:
+            first = self._extras_at()
+            keys, host = self._agreed_keys, self._agreed_rows[rank()][first : first + len(self._agreed_keys)]
+        else:
+            keys, extras, host = self._extras(device)
+            parts += extras
+        return keys, torch.cat(parts), host
+
+    def _tensor_norms(self, dev: DeviceGradStats | None, n: int, device) -> torch.Tensor:
+        """This rank's norm of every statistics tensor, in entry order (-1 where it has no gradient)."""
+        if dev is not None and len(dev.names) == n:
+            return dev.param_norms.to(device)
+        out = torch.full((n,), -1.0, device=device)
+        if dev is None:
+            return out
+        at = {name: i for i, name in enumerate(self._entry_names())}
+        index = torch.tensor([at[name] for name in dev.names], dtype=torch.long, device=device)
+        return out.index_copy_(0, index, dev.param_norms.to(device))
 
     def _tensor_squares(self, dev: DeviceGradStats | None, n: int, device) -> torch.Tensor:
         """This rank's squared norm of every statistics tensor, in entry order (0 where it has no gradient)."""
@@ -96,6 +148,20 @@ class GradRows:
         at = {name: i for i, name in enumerate(self._entry_names())}
         index = torch.tensor([at[name] for name in dev.names], dtype=torch.long, device=device)
         return out.index_copy_(0, index, dev.param_norms.to(device).square())
+
+    def _nonfinite_counts(self, norms: list[float], n_groups: int) -> list[int]:
+        """Per group, how many of a rank's per-tensor norms are not finite (a tensor holding NaN/Inf; -1, a tensor
+        without a gradient, is finite)."""
+        counts = [0] * n_groups
+        for i, v in enumerate(norms):
+            if not v < math.inf:  # inf or NaN (a norm is never -inf)
+                counts[self._entries[i][2]] += 1
+        return counts
+
+    def _tensor_name(self, dev: DeviceGradStats, index: int) -> str | None:
+        """The name of entry `index` of the per-tensor norms (`dev.names` when every tensor has a gradient)."""
+        names = dev.names if len(dev.names) == len(self._ensure_entries()) else self._entry_names()
+        return names[index] if 0 <= index < len(names) else None
 
     def _entry_names(self) -> list[str]:
         return [name for name, _, _ in self._ensure_entries()]
@@ -118,8 +184,8 @@ class GradRows:
             for row, values in zip(self._agreed_rows, all_gather_tensor(part).tolist(), strict=False):
                 row[start : start + 3] = values
         else:
-            keys, vector = self._local_vector(dev, max_abs)
-            self._agreed_rows = all_gather_lists(vector)  # the single device→host transfer
+            keys, vector, host = self._local_vector(dev, max_abs)
+            self._agreed_rows = all_gather_lists(vector, host)  # the single device→host transfer
             self.row_gathers += 1
             self._agreed_keys, self._agreed_step, self._agreed_dev_key = keys, step, self._dev_key
         self._agreed_max = max_abs
@@ -131,8 +197,8 @@ class GradRows:
         rows again, so every rank judges the edit. Returns whether the row changed."""
         if self._agreed_step != step or self._agreed_rows is None or self._agreed_dev_key is self._dev_key:
             return False
-        _, vector = self._local_vector(dev, self._agreed_max, reuse_extras=True)
-        self._agreed_rows[rank()] = vector.tolist()
+        _, vector, host = self._local_vector(dev, self._agreed_max, reuse_extras=True)
+        self._agreed_rows[rank()] = vector.tolist() + host
         self._agreed_dev_key = self._dev_key
         return True
 
@@ -145,7 +211,7 @@ class GradRows:
         return self._row_extras()
 
     def _row_extras(self) -> dict[str, float]:
-        first = 2 * len(self._group_names) + len(self._TAIL)
+        first = self._extras_at()
         return {k: sum(row[first + j] for row in self._agreed_rows) for j, k in enumerate(self._agreed_keys)}
 
     def _report(self, dev: DeviceGradStats | None, step) -> GradReport:
@@ -163,14 +229,16 @@ class GradRows:
             reason = self._unavailable_reason() if everywhere else f"rank {missing[0]} has no gradient to read"
             return GradReport(step=step, available=False, reason=reason, extras=extras, rank_norms=rank_norms)
         present = sorted(set(dev.group_ids))
-        top_norm, top_arg = _best_rank([(row[col["top_norm"]], row[col["top_arg"]]) for row in rows])
+        first, end = 2 * n_groups + len(self._TAIL), self._extras_at()  # the per-tensor norms (`_local_vector`)
+        top_norm, top_arg = _best_rank([top_of(row[first:end]) for row in rows])
+        counts = [self._nonfinite_counts(row[first:end], n_groups) for row in rows]
         if len(rows) == 1:  # one rank: each statistic is its own worst
-            (row,) = rows
+            (row,), (count,) = rows, counts
             group_norms = {dev.groups[g]: row[g] for g in present}
-            nonfinite = {dev.groups[g]: int(row[n_groups + g]) for g in present}
+            nonfinite = {dev.groups[g]: count[g] for g in present}
         else:
             group_norms = {dev.groups[g]: _worst([row[g] for row in rows]) for g in present}
-            nonfinite = {dev.groups[g]: int(max(row[n_groups + g] for row in rows)) for g in present}
+            nonfinite = {dev.groups[g]: max(count[g] for count in counts) for g in present}
         report = GradReport(
             step=step,
             available=True,
@@ -178,7 +246,7 @@ class GradRows:
             group_norms=group_norms,
             nonfinite=nonfinite,
             max_param_norm=top_norm if top_norm >= 0 else math.nan,
-            max_norm_param=_name(dev, top_arg) if top_norm >= 0 else None,
+            max_norm_param=self._tensor_name(dev, int(top_arg)) if top_norm >= 0 else None,
             n_tensors=len(dev.names),
             extras=extras,
             rank_norms=rank_norms,

@@ -171,7 +171,8 @@ class GradStats(GradRows):
             dev = self._dev
             if scale is not None:
                 dev.scale = scale if dev.scale is None else dev.scale * scale
-            self._seen = self._fingerprint(self._grads())
+            # edited in place: the same tensors (their references kept), at new versions
+            self._seen = (self._seen[0], _versions(self._grads()))
 
     @property
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -310,11 +311,23 @@ class GradStats(GradRows):
         else:
             names, params, group_ids = [n for n, _, _ in present], [p for _, p, _ in present], [e[2] for e in present]
             gidx = self._group_index(tuple(group_ids), home)
-        # squares and non-finite flags summed per group in one index_add (a norm is >= 0, inf or NaN: times 0 it is
-        # NaN exactly when it is not finite - three ops where `~isfinite` takes six on CPU)
-        flags = torch.isnan(param_norms * 0).to(torch.float32)
-        columns = torch.stack([param_norms.square(), flags], dim=1)
-        sums = torch.zeros(len(self._group_names), 2, dtype=torch.float32, device=home).index_add_(0, gidx, columns)
+        # The squares sit in column 0 of an [n, 2] block (the global norm sums that strided column, whose order of
+        # addition - and so every bit of the norm - is the layout's). Sharded engines also sum a non-finite flag per
+        # tensor there, in the same index_add (a norm is >= 0, inf or NaN: times 0 it is NaN exactly when it is not
+        # finite); otherwise the report counts the non-finite tensors on the host from the norms its row carries.
+        n_groups = len(self._group_names)
+        if self.engine.sharded:
+            columns = torch.stack([param_norms.square(), torch.isnan(param_norms * 0).to(torch.float32)], dim=1)
+        else:
+            columns = torch.empty(len(params), 2, dtype=torch.float32, device=home)
+            torch.square(param_norms, out=columns[:, 0])
+        squares = columns[:, 0]
+        if self.engine.sharded:
+            sums = torch.zeros(n_groups, 2, dtype=torch.float32, device=home).index_add_(0, gidx, columns)
+            group_squares, nonfinite = sums[:, 0], sums[:, 1]
+        else:
+            group_squares = torch.zeros(n_groups, dtype=torch.float32, device=home).index_add_(0, gidx, squares)
+            nonfinite = None
         self._dev = DeviceGradStats(
             names=names,
             params=params,
@@ -322,9 +335,9 @@ class GradStats(GradRows):
             group_index=gidx,
             param_norms=param_norms,
             param_max_abs=None,
-            group_norms=sums[:, 0].sqrt(),
-            nonfinite=sums[:, 1],
-            global_norm=columns[:, 0].sum().sqrt(),
+            group_norms=group_squares.sqrt(),
+            nonfinite=nonfinite,
+            global_norm=squares.sum().sqrt(),
             group_ids=group_ids,
             scale=carried,
         )

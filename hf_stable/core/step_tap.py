@@ -156,8 +156,8 @@ class StepTap:
         self.record_ids.append(record_ids)
         loss = loss.detach().to(torch.float32).reshape(())
         one = torch.ones_like(loss)
+        self._den = one if self._num is None else self._den + one
         self._num = loss if self._num is None else self._num + loss
-        self._den = one if isinstance(self._den, float) else self._den + one
         self.n_losses += 1
 
     def add_output_listener(self, fn, reads_chunks: bool = False, row_fn=None) -> None:
@@ -216,34 +216,40 @@ class StepTap:
         if loss is None:
             return
         with torch.no_grad():  # (no `detach` op per forward: nothing below is recorded)
-            self._add_loss(loss.to(torch.float32), kwargs)
+            self._add_loss(loss.to(torch.float32), kwargs, getattr(getattr(output, "chunked", None), "rows", None))
         self.n_losses += 1
 
-    def _add_loss(self, loss: torch.Tensor, kwargs: dict) -> None:
+    def _add_loss(self, loss: torch.Tensor, kwargs: dict, rows: torch.Tensor | None = None) -> None:
+        """`rows`: the supervised positions a chunked loss listed (`hf_stable.loss.ChunkedLoss.rows`): their count is
+        the supervised-token count, already on the host (no device op, the same number as counting the labels)."""
         loss = loss if loss.dim() == 0 else loss.reshape(())
-        labels = kwargs.get("shift_labels")
-        if not isinstance(labels, torch.Tensor):
-            labels = kwargs.get("labels")
-            labels = labels[..., 1:] if isinstance(labels, torch.Tensor) and labels.dim() >= 1 else None
-        tokens = labels.ne(-100).sum().to(torch.float32) if labels is not None else torch.ones_like(loss)
+        if isinstance(rows, torch.Tensor):
+            tokens = float(rows.numel())
+        else:
+            labels = kwargs.get("shift_labels")
+            if not isinstance(labels, torch.Tensor):
+                labels = kwargs.get("labels")
+                labels = labels[..., 1:] if isinstance(labels, torch.Tensor) and labels.dim() >= 1 else None
+            tokens = labels.ne(-100).sum().to(torch.float32) if labels is not None else torch.ones_like(loss)
         num_items = kwargs.get("num_items_in_batch")
         if num_items is not None:  # the model returned sum / num_items
             weight = num_items.to(loss.device, torch.float32) if isinstance(num_items, torch.Tensor) else num_items
         else:  # the model returned a mean over its supervised tokens (or, without labels, count it once)
             weight = tokens
         total = loss * weight
+        self._den = tokens if self._num is None else self._den + tokens  # a host count or a device tensor
         self._num = total if self._num is None else self._num + total
-        self._den = tokens if isinstance(self._den, float) else self._den + tokens
 
-    def device_scalars(self) -> dict[str, torch.Tensor]:
-        """`loss_num` and `loss_den` as device tensors; zeros when no loss was seen (the keys are always there,
-        so every rank joins the same all-reduce)."""
+    def device_scalars(self) -> dict[str, torch.Tensor | float]:
+        """`loss_num` and `loss_den` as device tensors (`loss_den` a host number when the chunked loss counted its
+        tokens); zeros when no loss was seen (the keys are always there, so every rank joins the same all-reduce)."""
         if self._num is None:
             model = self._model_ref()
             device = next(model.parameters()).device if model is not None else torch.device("cpu")
             zero = torch.zeros((), dtype=torch.float32, device=device)
             return {"loss_num": zero, "loss_den": zero}
-        return {"loss_num": self._num, "loss_den": self._den.to(self._num.device)}
+        den = self._den  # a host count (`GradStats` sends it without making a tensor) or a device tensor
+        return {"loss_num": self._num, "loss_den": den.to(self._num.device) if isinstance(den, torch.Tensor) else den}
 
 
 def batch_gradients(model, params: list[torch.Tensor], call_args, call_kwargs, args=None):

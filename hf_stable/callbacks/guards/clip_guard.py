@@ -72,7 +72,7 @@ class ClipGuard(StabilityCallback):
         self._off = False
         self._agc_said = False
         self.last_coefficients: dict[str, float] = {}
-        self._members_of: tuple | None = None  # (the statistics' group id list, `_members` of it)
+        self._members_of: tuple | None = None  # (the statistics' group id list, `_members` of it, their devices)
 
     # --- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -139,7 +139,7 @@ class ClipGuard(StabilityCallback):
         for i, (p, gi) in enumerate(zip(dev.params, dev.group_ids, strict=False)):
             members.setdefault(gi, {}).setdefault(p.device, []).append(i)
         out = {gi: list(by_device.items()) for gi, by_device in members.items()}
-        self._members_of = (dev.group_ids, out)
+        self._members_of = (dev.group_ids, out, {torch.device(d) for by_device in members.values() for d in by_device})
         return out
 
     def _apply(self, dev, coefs: dict[str, float], engine: StepEngine, shared: torch.Tensor | None = None) -> None:
@@ -148,8 +148,14 @@ class ClipGuard(StabilityCallback):
         Python number is ~4x slower than by a tensor; same bits). `shared`: the one factor every tensor takes, as a
         0-d tensor already made (used on its own device)."""
         grads = engine.local_grads(dev.params)
+        members = self._members(dev)
+        if shared is not None and self._members_of[2] == {shared.device}:  # every tensor, one device: one call
+            clipped = [g for g in grads if g is not None and g.numel()]
+            if clipped:
+                foreach_mul_(clipped, shared)
+            return
         by_factor: dict[tuple, list[int]] = {}
-        for gi, runs in self._members(dev).items():
+        for gi, runs in members.items():
             c = coefs.get(dev.groups[gi], 1.0)
             if c < 1.0:
                 for device, idx in runs:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 from collections import deque
 
 import torch
@@ -27,13 +28,23 @@ GIB = float(1 << 30)
 _KEYS = ("allocated", "reserved", "peak", "retries", "ooms", "rss")
 
 
+_PROCESS: list = [None, None]  # (pid, psutil.Process): made once per process (creating one reads /proc/<pid>/stat)
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    pid = os.getpid()  # (a forked worker gets its own)
+    if _PROCESS[0] != pid:
+        _PROCESS[:] = [pid, psutil.Process(pid)]
+    return _PROCESS[1].memory_info().rss
+
+
 def sample_memory(device: torch.device | None = None) -> dict[str, float]:
     """One memory sample: CUDA counters when CUDA is in use (GiB / counts), and the process RSS (GiB)."""
     out = {k: float("nan") for k in _KEYS}
     with contextlib.suppress(Exception):  # psutil is a core dependency, but never crash a run over a metric
-        import psutil
-
-        out["rss"] = psutil.Process().memory_info().rss / GIB
+        out["rss"] = _rss_bytes() / GIB
     if torch.cuda.is_available() and torch.cuda.is_initialized() and (device is None or device.type == "cuda"):
         stats = torch.cuda.memory_stats(device)
         out["allocated"] = stats.get("allocated_bytes.all.current", 0) / GIB
