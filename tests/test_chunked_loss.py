@@ -348,3 +348,27 @@ def test_the_recipe_trains_with_the_default_chunked_loss_like_the_full_path(tmp_
         losses[chunked] = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses["true"]) == 3 and losses["true"] == pytest.approx(losses["false"], rel=1e-4)
     assert losses["true"][-1] < losses["true"][0]  # it trains
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("num_items", [None, 40])
+def test_the_step_tap_counts_the_same_supervised_tokens_on_the_chunked_path(layout, num_items):
+    """The guards' step loss (`StepTap`: token-weighted sum / token count) is the same on both paths; on the chunked
+    one the count is the number of rows the loss listed, a host number (no tensor made for it)."""
+    model = _model("llama_lora")
+    batch = _batch(layout)
+    if num_items is not None:
+        batch["num_items_in_batch"] = torch.tensor(num_items)
+    tap = StepTap.shared(model).attach()
+    seen = {}
+    for chunked in (False, True):
+        tap.begin_step()
+        with chunked_training_forward(model, TrainingLossConfig(chunked=chunked, chunk_size=5)) as run:
+            model(**batch, use_cache=False)
+        assert (run is not None and run.calls == 1) == chunked
+        scalars = tap.device_scalars()
+        seen[chunked] = (float(scalars["loss_num"]), scalars["loss_den"])
+    tokens = int(batch["labels"][:, 1:].ne(-100).sum())
+    assert isinstance(seen[True][1], float) and seen[True][1] == tokens
+    assert isinstance(seen[False][1], torch.Tensor) and float(seen[False][1]) == tokens
+    assert seen[True][0] == pytest.approx(seen[False][0], rel=1e-5) and seen[True][0] > 0

@@ -117,12 +117,13 @@ class AllowedPairs:
         q_len, k_len = mask.shape[-2:]
         # a padding query (one that may not attend to itself) is left out, as on the chunked path
         allowed = mask & mask.diagonal(dim1=-2, dim2=-1)[..., None]
-        b, _, q, k = allowed.nonzero(as_tuple=True)
-        if b.numel() == 0 or b.numel() * heads > _GATHER_LIMIT:
+        at = allowed.reshape(-1).nonzero().reshape(-1)  # b * plane + q * k_len + k, in row-major order
+        if at.numel() == 0 or at.numel() * heads > _GATHER_LIMIT:
             return None
         plane = q_len * k_len
-        flat = b * (heads * plane) + q * k_len + k
-        return flat[:, None] + torch.arange(heads, device=mask.device)[None, :] * plane
+        # the same position in the [B, H, q, k] logits of head 0: b * heads * plane + q * k_len + k
+        flat = at + (at // plane) * ((heads - 1) * plane) if heads > 1 else at
+        return flat[:, None] + torch.arange(0, heads * plane, plane, device=mask.device)[None, :]
 
 
 _ALLOWED = AllowedPairs()
@@ -134,8 +135,9 @@ def _gathered_max(query: torch.Tensor, key: torch.Tensor, where: torch.Tensor, s
     batch, heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     work = query.dtype if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else torch.float32
-    q3 = query.detach().to(work).reshape(batch * kv_heads, (heads // kv_heads) * q_len, dim)
-    k3 = key.detach().to(work).reshape(batch * kv_heads, k_len, dim).transpose(1, 2)
+    # (under `head_max_logits`' no_grad: no detach needed; `.to` only where the dtype changes)
+    q3 = (query if query.dtype == work else query.to(work)).reshape(batch * kv_heads, (heads // kv_heads) * q_len, dim)
+    k3 = (key if key.dtype == work else key.to(work)).reshape(batch * kv_heads, k_len, dim).transpose(1, 2)
     logits = torch.bmm(q3, k3)  # [B * KV, G * q, k]: the [B, H, q, k] logits, heads of a group consecutive
     return logits.reshape(-1).take(where).float().amax(dim=0) * scaling
 

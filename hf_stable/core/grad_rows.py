@@ -149,6 +149,14 @@ class GradRows:
         index = torch.tensor([at[name] for name in dev.names], dtype=torch.long, device=device)
         return out.index_copy_(0, index, dev.param_norms.to(device).square())
 
+    def _tensor_reads(self, norms: list[float], n_groups: int) -> tuple[tuple[float, float], list[int]]:
+        """(`top_of`, `_nonfinite_counts`) of a rank's per-tensor norms; when every one is finite (their sum is: the
+        usual step) without a Python loop over them."""
+        if sum(norms) < math.inf:
+            best = max(norms, default=-1.0)
+            return ((best, float(norms.index(best))) if best >= 0 else (-1.0, 0.0)), [0] * n_groups
+        return top_of(norms), self._nonfinite_counts(norms, n_groups)
+
     def _nonfinite_counts(self, norms: list[float], n_groups: int) -> list[int]:
         """Per group, how many of a rank's per-tensor norms are not finite (a tensor holding NaN/Inf; -1, a tensor
         without a gradient, is finite)."""
@@ -230,8 +238,8 @@ class GradRows:
             return GradReport(step=step, available=False, reason=reason, extras=extras, rank_norms=rank_norms)
         present = sorted(set(dev.group_ids))
         first, end = 2 * n_groups + len(self._TAIL), self._extras_at()  # the per-tensor norms (`_local_vector`)
-        top_norm, top_arg = _best_rank([top_of(row[first:end]) for row in rows])
-        counts = [self._nonfinite_counts(row[first:end], n_groups) for row in rows]
+        tops, counts = zip(*(self._tensor_reads(row[first:end], n_groups) for row in rows), strict=True)
+        top_norm, top_arg = _best_rank(list(tops))
         if len(rows) == 1:  # one rank: each statistic is its own worst
             (row,), (count,) = rows, counts
             group_norms = {dev.groups[g]: row[g] for g in present}

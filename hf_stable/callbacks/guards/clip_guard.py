@@ -226,7 +226,7 @@ class ClipGuard(StabilityCallback):
                 factors = [by_group[gi] for gi in dev.group_ids]
                 home = dev.param_norms.device
                 if len(set(factors)) == 1:  # the global cap alone: every tensor scaled by the same factor
-                    scale = shared = torch.tensor(factors[0], dtype=torch.float32, device=home)
+                    scale = shared = torch.full((), factors[0], dtype=torch.float32, device=home)
                 else:
                     scale = torch.tensor(factors, dtype=torch.float32, device=home)
             engine = stats.engine
