@@ -225,7 +225,7 @@ def test_a_check_holds_for_the_span_of_our_callbacks_and_ends_with_it(tokenizer)
     """Inside a span of hf_stable's own callbacks (`open_span`, opened by StableTrainer's dispatch) the gradients,
     once found unchanged, are not read again; ending the span (another callback runs, a skip drops gradients) makes
     the next reader check them, so a foreign edit is seen."""
-    from hf_stable.core.grad_stats import close_span, open_span
+    from hf_stable.core.grad_span import close_span, open_span
 
     model = make_tiny_model("llama", tokenizer)
     _backward(model)

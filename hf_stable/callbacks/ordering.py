@@ -27,7 +27,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from hf_stable.callbacks.base import StabilityCallback
 from hf_stable.callbacks.compact_printer import CompactPrinter
-from hf_stable.core.grad_stats import close_span, open_span
+from hf_stable.core.grad_span import close_span, open_span
 
 
 def _reporter_classes() -> tuple[type, ...]:

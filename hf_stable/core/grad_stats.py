@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 import weakref
 from collections.abc import Callable
 
 import torch
 
-from hf_stable.compat import foreach_norm, tensor_versions
+from hf_stable.compat import foreach_norm
 from hf_stable.core.engine import StepEngine
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
 from hf_stable.core.grad_rows import GradRows
+from hf_stable.core.grad_span import SPAN, fingerprint, same_tensors, unchanged, versions
 from hf_stable.core.model_table import ModelTable
 from hf_stable.core.step_readers import StepReaders
 from hf_stable.optim.roles import group_parameters
@@ -39,30 +39,6 @@ __all__ = ["DeviceGradStats", "GradReport", "GradStats"]
 
 _SHARED = ModelTable()
 _PLAIN = StepEngine()
-# The span of hf_stable's own callbacks now running under `StableTrainer`'s dispatch (`callbacks.ordering`), None
-# outside one: a fresh object each time a run of them starts, so a foreign callback in between ends the span.
-_SPAN: list = [None]
-
-
-def open_span() -> None:
-    """hf_stable's own callbacks run from here (`callbacks.ordering.skip_noop_hooks`): a gradient check made in the span
-    holds for the rest of it. Their own gradient edits go through `GradStats.edited` or end the span (a skip)."""
-    if _SPAN[0] is None:
-        _SPAN[0] = object()
-
-
-def close_span() -> None:
-    """Other code may run from here (a user's callback, the Trainer, a skip that dropped the gradients): the next read
-    checks the gradients again."""
-    _SPAN[0] = None
-
-
-def _gone():
-    """Stands in for the weak reference of a missing gradient (calling it gives None)."""
-
-
-def _versions(grads: list) -> list[int]:
-    return tensor_versions(grads)
 
 
 def _device_runs(devices: list) -> list[tuple[int, int]]:
@@ -173,7 +149,7 @@ class GradStats(GradRows):
             if scale is not None:
                 dev.scale = scale if dev.scale is None else dev.scale * scale
             # edited in place: the same tensors (their references kept), at new versions
-            self._seen = (self._seen[0], _versions(self._grads()))
+            self._seen = (self._seen[0], versions(self._grads()))
 
     @property
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -228,7 +204,7 @@ class GradStats(GradRows):
 
     @staticmethod
     def _fingerprint(grads: list) -> tuple[list, list[int]]:
-        return [_gone if g is None else weakref.ref(g) for g in grads], _versions(grads)
+        return fingerprint(grads)
 
     @staticmethod
     def _key(step):
@@ -246,15 +222,11 @@ class GradStats(GradRows):
         """
         if key is None or step is None or key[0] != step or self._seen is None:
             return False
-        span = _SPAN[0]
+        span = SPAN[0]
         trusted = self._trusted
         if span is not None and trusted is not None and trusted[0] is span and trusted[1] is key:
             return True
-        grads = self._grads()
-        refs, versions = self._seen
-        hit = (_versions(grads) == versions and all(map(operator.is_, grads, [r() for r in refs]))) or all(
-            g is None for g in grads
-        )
+        hit = unchanged(self._grads(), self._seen)
         self._trusted = (span, key) if hit and span is not None else None
         return hit
 
@@ -264,8 +236,7 @@ class GradStats(GradRows):
         dev = self._dev
         if dev is None or dev.scale is None or self._dev_key is None or self._dev_key[0] != step:
             return None
-        refs, _ = self._seen
-        if len(refs) != len(grads) or not all(map(operator.is_, grads, [r() for r in refs])):
+        if not same_tensors(grads, self._seen[0]):
             return None
         if dev.scale.dim() == 0 or (present is self._entries and dev.scale.numel() == len(self._params)):
             return dev.scale
@@ -348,7 +319,7 @@ class GradStats(GradRows):
 
     def _trust(self) -> None:
         """The gradients were just read: inside a span of hf_stable's callbacks they need no check until it ends."""
-        span = _SPAN[0]
+        span = SPAN[0]
         self._trusted = (span, self._dev_key) if span is not None else None
 
     def _param_max_abs(self, dev: DeviceGradStats) -> torch.Tensor | None:
@@ -386,7 +357,7 @@ class GradStats(GradRows):
         deferred reader asked for (`readers`) is taken in the same collective.
         """
         max_abs = max_abs or self.readers.wants_max_abs(step)
-        span = _SPAN[0]
+        span = SPAN[0]
         memo = self._memo
         if (  # asked again in the span that computed it (nothing else ran since): the same report, nothing to check
             span is not None

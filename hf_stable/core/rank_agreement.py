@@ -43,7 +43,7 @@ def drop_gradients(optimizer, model=None) -> int:
         if id(p) not in seen:
             seen.add(id(p))
             unique.append(p)
-    from hf_stable.core.grad_stats import close_span
+    from hf_stable.core.grad_span import close_span
 
     engine = StepEngine.of(model) if model is not None else StepEngine()
     close_span()  # the gradients change: the next read checks them
