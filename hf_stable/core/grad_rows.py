@@ -115,10 +115,8 @@ class GradRows:
                 parts.append(_constant((-1.0, 0.0, 1.0), device))
             if per_tensor is not False:
                 parts.append(self._max_part(dev, per_tensor, device))
-        if sharded:  # each rank holds part of every tensor: its squared norms, summed over ranks
-            parts.append(self._tensor_squares(dev, len(entries), device))
-        else:
-            parts.append(self._tensor_norms(dev, len(entries), device))
+        # sharded: each rank holds part of every tensor, its squared norms are summed over ranks
+        parts.append(self._tensor_norms(dev, len(entries), device, squared=sharded))
         if reuse_extras:
             first = self._extras_at()
             keys, host = self._agreed_keys, self._agreed_rows[rank()][first : first + len(self._agreed_keys)]
@@ -127,27 +125,19 @@ class GradRows:
             parts += extras
         return keys, torch.cat(parts), host
 
-    def _tensor_norms(self, dev: DeviceGradStats | None, n: int, device) -> torch.Tensor:
-        """This rank's norm of every statistics tensor, in entry order (-1 where it has no gradient)."""
-        if dev is not None and len(dev.names) == n:
-            return dev.param_norms.to(device)
-        out = torch.full((n,), -1.0, device=device)
-        if dev is None:
+    def _tensor_norms(self, dev: DeviceGradStats | None, n: int, device, squared: bool = False) -> torch.Tensor:
+        """This rank's norm (or squared norm) of every statistics tensor, in entry order; where it has no gradient -1
+        (a squared norm: 0, a part that adds nothing over ranks)."""
+        values = None if dev is None else dev.param_norms.to(device)
+        values = values.square() if squared and values is not None else values
+        if values is not None and len(dev.names) == n:
+            return values
+        out = torch.full((n,), 0.0 if squared else -1.0, device=device)
+        if values is None:
             return out
         at = {name: i for i, name in enumerate(self._entry_names())}
         index = torch.tensor([at[name] for name in dev.names], dtype=torch.long, device=device)
-        return out.index_copy_(0, index, dev.param_norms.to(device))
-
-    def _tensor_squares(self, dev: DeviceGradStats | None, n: int, device) -> torch.Tensor:
-        """This rank's squared norm of every statistics tensor, in entry order (0 where it has no gradient)."""
-        out = torch.zeros(n, device=device)
-        if dev is None:
-            return out
-        if len(dev.names) == n:
-            return dev.param_norms.to(device).square()
-        at = {name: i for i, name in enumerate(self._entry_names())}
-        index = torch.tensor([at[name] for name in dev.names], dtype=torch.long, device=device)
-        return out.index_copy_(0, index, dev.param_norms.to(device).square())
+        return out.index_copy_(0, index, values)
 
     def _tensor_reads(self, norms: list[float], n_groups: int) -> tuple[tuple[float, float], list[int]]:
         """(`top_of`, `_nonfinite_counts`) of a rank's per-tensor norms; when every one is finite (their sum is: the

@@ -37,14 +37,9 @@ def _gone():
     """Stands in for the weak reference of a missing gradient (calling it gives None)."""
 
 
-def versions(grads: list) -> list[int]:
-    """Every gradient's version counter (-1 for None)."""
-    return tensor_versions(grads)
-
-
 def fingerprint(grads: list) -> tuple[list, list[int]]:
     """(weak references, versions) of `grads`."""
-    return [_gone if g is None else weakref.ref(g) for g in grads], versions(grads)
+    return [_gone if g is None else weakref.ref(g) for g in grads], tensor_versions(grads)
 
 
 def same_tensors(grads: list, refs: list) -> bool:
@@ -55,4 +50,4 @@ def same_tensors(grads: list, refs: list) -> bool:
 def unchanged(grads: list, seen: tuple[list, list[int]]) -> bool:
     """The gradients are the fingerprinted ones at the same versions, or every one was dropped since (a skip)."""
     refs, vers = seen
-    return (versions(grads) == vers and same_tensors(grads, refs)) or all(g is None for g in grads)
+    return (tensor_versions(grads) == vers and same_tensors(grads, refs)) or all(g is None for g in grads)

@@ -26,11 +26,11 @@ from collections.abc import Callable
 
 import torch
 
-from hf_stable.compat import foreach_norm
+from hf_stable.compat import foreach_norm, tensor_versions
 from hf_stable.core.engine import StepEngine
 from hf_stable.core.grad_report import DeviceGradStats, GradReport
 from hf_stable.core.grad_rows import GradRows
-from hf_stable.core.grad_span import SPAN, fingerprint, same_tensors, unchanged, versions
+from hf_stable.core.grad_span import SPAN, fingerprint, same_tensors, unchanged
 from hf_stable.core.model_table import ModelTable
 from hf_stable.core.step_readers import StepReaders
 from hf_stable.optim.roles import group_parameters
@@ -149,7 +149,7 @@ class GradStats(GradRows):
             if scale is not None:
                 dev.scale = scale if dev.scale is None else dev.scale * scale
             # edited in place: the same tensors (their references kept), at new versions
-            self._seen = (self._seen[0], versions(self._grads()))
+            self._seen = (self._seen[0], tensor_versions(self._grads()))
 
     @property
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -201,10 +201,6 @@ class GradStats(GradRows):
             present = [e for e, g in zip(entries, grads, strict=False) if g is not None]
             return present, [g for g in grads if g is not None], grads
         return entries, grads, grads
-
-    @staticmethod
-    def _fingerprint(grads: list) -> tuple[list, list[int]]:
-        return fingerprint(grads)
 
     @staticmethod
     def _key(step):
@@ -262,7 +258,7 @@ class GradStats(GradRows):
             return self._dev
         present, grads, every = self._present()
         carried = self._carried_scale(step, every, present) if self._seen is not None else None
-        self._seen = self._fingerprint(every)
+        self._seen = fingerprint(every)
         if not grads or type(grads[0]).__name__ == "DTensor" or type(grads[-1]).__name__ == "DTensor":
             self._dev_key, self._dev = self._key(step), None
             self._trust()
@@ -288,13 +284,14 @@ class GradStats(GradRows):
         # tensor there, in the same index_add (a norm is >= 0, inf or NaN: times 0 it is NaN exactly when it is not
         # finite); otherwise the report counts the non-finite tensors on the host from the norms its row carries.
         n_groups = len(self._group_names)
-        if self.engine.sharded:
+        sharded = self.engine.sharded
+        if sharded:
             columns = torch.stack([param_norms.square(), torch.isnan(param_norms * 0).to(torch.float32)], dim=1)
         else:
             columns = torch.empty(len(params), 2, dtype=torch.float32, device=home)
             torch.square(param_norms, out=columns[:, 0])
         squares = columns[:, 0]
-        if self.engine.sharded:
+        if sharded:
             sums = torch.zeros(n_groups, 2, dtype=torch.float32, device=home).index_add_(0, gidx, columns)
             group_squares, nonfinite = sums[:, 0], sums[:, 1]
         else:
