@@ -4,6 +4,12 @@
         [--clock thread|wall] [--arms bare,default,trainer_adamw] [--adamw-impl auto]
         [--set SECTION.FIELD=VALUE ...]
 
+An arm may carry its own config fields after `@`: `--arms bare,default,default@attention.monitor_interval=0` trains
+the default layer with and without the sampled attention probe beside the bare step, in the same interleaved rounds
+(several fields: `default@a.b=1@c.d=2`); the fields read when the trainer is built (callbacks, attention, guards, the
+optimizer) take effect, the data is the run's. With more arms than `bare` and `default`, a last table gives every arm's
+paired per-round difference and ratio against the first arm named.
+
 Builds the recipe's pieces in-process as `scripts/finetune.py` does (the embedded default: its base, data, LoRA r 16
 on the 7 projections, the optimizer factory's groups, `StableTrainer` with the chunked loss) and trains `--steps`
 steps per arm:
@@ -73,7 +79,28 @@ def prepare(steps: int, out: str, adamw_impl: str, overrides: list[str] = ()):
     base = resolve_base(cfg.model)
     tokenizer = load_tokenizer(cfg.model, base)
     data = build_data(cfg.data, tokenizer, seed=cfg.training.get("seed", 42), batch_size=16)
-    return cfg, base, tokenizer, data
+    return cfg, base, tokenizer, data, argv
+
+
+def split_arm(spec: str) -> tuple[str, list[str]]:
+    """(`bare` / `default` / `trainer_adamw`, the arm's own `section.field=value` items) of an arm spec."""
+    kind, *fields = spec.split("@")
+    return kind, fields
+
+
+def arm_config(spec: str, prepared):
+    """The run's config with the arm's own fields (`split_arm`) set, loaded and checked as the recipe's."""
+    from hf_stable.config import load_config
+
+    cfg, argv = prepared[0], prepared[4]
+    _, fields = split_arm(spec)
+    if not fields:
+        return cfg
+    extra = []
+    for item in fields:
+        key, _, value = item.partition("=")
+        extra += [f"--{key}", value]
+    return load_config(argv=[*argv, *extra])
 
 
 def build_arm(arm: str, prepared, clock: str, breakdown: bool = True, marks=None):
@@ -89,8 +116,11 @@ def build_arm(arm: str, prepared, clock: str, breakdown: bool = True, marks=None
     from hf_stable.optim import build_optimizer, trainer_optimizer_arguments
     from hf_stable.trainer import StableTrainer
 
-    cfg, base, tokenizer, data = prepared
-    forced = {"remove_unused_columns": False, "output_dir": os.path.join(cfg.training["output_dir"], arm)}
+    cfg, base, tokenizer, data, _ = prepared
+    cfg = arm_config(arm, prepared)
+    arm, fields = split_arm(arm)
+    out_dir = "_".join([arm, *(f.replace("/", "_") for f in fields)])
+    forced = {"remove_unused_columns": False, "output_dir": os.path.join(cfg.training["output_dir"], out_dir)}
     if arm == "default":
         forced.update(guard_training_overrides(cfg.stability.guards, cfg.training, warn=False))
     args = training_arguments(cfg, **forced)
@@ -172,7 +202,7 @@ def table(results: dict[str, list[dict]], rounds: int) -> str:
     def med(arm, key):
         return statistics.median(r.get(key, 0.0) for r in results[arm])
 
-    arms = [a for a in ARMS if results.get(a)]
+    arms = [a for a in results if results.get(a)]
     lines = ["| arm | " + " | ".join(PARTS) + " | total |", "|---" * (len(PARTS) + 2) + "|"]
     for arm in arms:
         lines.append(f"| {arm} | " + " | ".join(f"{med(arm, p):.2f}" for p in (*PARTS, "total")) + " |")
@@ -182,6 +212,31 @@ def table(results: dict[str, list[dict]], rounds: int) -> str:
     )
     lines += ["", "| callback | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
     lines += [f"| {n[3:]} | " + " | ".join(f"{med(a, n):.3f}" for a in arms) + " |" for n in names]
+    return "\n".join(lines)
+
+
+def against_first(arms: list[str], plain: dict[str, list[dict]]) -> str:
+    """Every other arm's paired per-round difference (ms, median over rounds) per part and ratio against the first
+    arm named, from the interleaved rounds."""
+    first = arms[0]
+    lines = [
+        f"\npaired per-round differences against `{first}` (ms per step, medians over {len(plain[first])} rounds)\n",
+        "| arm | " + " | ".join(PARTS) + " | total | ratio | per-round ratios |",
+        "|---" * (len(PARTS) + 4) + "|",
+    ]
+    for arm in arms[1:]:
+        pairs = list(zip(plain[arm], plain[first], strict=True))
+        ratios = [x["total"] / y["total"] for x, y in pairs]
+        diffs = [
+            f"{statistics.median(x.get(p, 0.0) - y.get(p, 0.0) for x, y in pairs):+.3f}" for p in (*PARTS, "total")
+        ]
+        lines.append(
+            f"| {arm} | "
+            + " | ".join(diffs)
+            + f" | {statistics.median(ratios):.3f} | "
+            + " ".join(f"{r:.3f}" for r in ratios)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -207,8 +262,10 @@ def main(argv: list[str]) -> None:
     )
     a = p.parse_args(argv)
     arms = a.arms.split(",")
-    if unknown := set(arms) - set(ARMS):
-        p.error(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+    if unknown := {split_arm(arm)[0] for arm in arms} - set(ARMS):
+        p.error(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)} (each optionally @SECTION.FIELD=VALUE)")
+    if len(set(arms)) != len(arms):
+        p.error(f"--arms names an arm twice: {a.arms}")
     results: dict[str, list[dict]] = {arm: [] for arm in arms}  # the instrumented runs: the per-part table
     totals: dict[str, list[float]] = {arm: [] for arm in arms}  # the plain runs: the paired ratio
     plain: dict[str, list[dict]] = {arm: [] for arm in arms}  # ... and their common parts
@@ -263,6 +320,8 @@ def main(argv: list[str]) -> None:
         )
     if ratios:
         print("\npaired per-round ratio default/bare: " + " ".join(f"{x:.3f}" for x in ratios))
+    if a.rounds and not set(arms) <= {"bare", "default"}:
+        print(against_first(arms, plain))
     opt = statistics.median(r["optimizer"] for r in results["bare"]) if results.get("bare") else nan
     trainer_opt = (
         statistics.median(r["optimizer"] for r in results["trainer_adamw"]) if results.get("trainer_adamw") else nan
