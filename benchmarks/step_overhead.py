@@ -72,14 +72,17 @@ def prepare(steps: int, out: str, adamw_impl: str, overrides: list[str] = ()):
 
     argv = ["--training.max_steps", str(steps), "--training.output_dir", out, "--evaluation.before", "false"]
     argv += ["--optim.adamw_impl", adamw_impl]
-    for item in overrides:  # `section.field=value`, as the recipe's `--section.field value`
-        key, _, value = item.partition("=")
-        argv += [f"--{key}", value]
+    argv += as_argv(overrides)
     cfg = load_config(argv=argv)
     base = resolve_base(cfg.model)
     tokenizer = load_tokenizer(cfg.model, base)
     data = build_data(cfg.data, tokenizer, seed=cfg.training.get("seed", 42), batch_size=16)
     return cfg, base, tokenizer, data, argv
+
+
+def as_argv(items) -> list[str]:
+    """`section.field=value` items as the recipe's `--section.field value` arguments."""
+    return [arg for item in items for arg in (f"--{item.partition('=')[0]}", item.partition("=")[2])]
 
 
 def split_arm(spec: str) -> tuple[str, list[str]]:
@@ -94,13 +97,7 @@ def arm_config(spec: str, prepared):
 
     cfg, argv = prepared[0], prepared[4]
     _, fields = split_arm(spec)
-    if not fields:
-        return cfg
-    extra = []
-    for item in fields:
-        key, _, value = item.partition("=")
-        extra += [f"--{key}", value]
-    return load_config(argv=[*argv, *extra])
+    return load_config(argv=[*argv, *as_argv(fields)]) if fields else cfg
 
 
 def build_arm(arm: str, prepared, clock: str, breakdown: bool = True, marks=None):
@@ -116,7 +113,7 @@ def build_arm(arm: str, prepared, clock: str, breakdown: bool = True, marks=None
     from hf_stable.optim import build_optimizer, trainer_optimizer_arguments
     from hf_stable.trainer import StableTrainer
 
-    cfg, base, tokenizer, data, _ = prepared
+    _, base, tokenizer, data, _ = prepared
     cfg = arm_config(arm, prepared)
     arm, fields = split_arm(arm)
     out_dir = "_".join([arm, *(f.replace("/", "_") for f in fields)])
@@ -215,6 +212,12 @@ def table(results: dict[str, list[dict]], rounds: int) -> str:
     return "\n".join(lines)
 
 
+def paired_medians(rows: list[dict], reference: list[dict]) -> list[float]:
+    """Per part (and the total), the median over rounds of `rows` minus `reference` (paired round by round)."""
+    pairs = list(zip(rows, reference, strict=True))
+    return [statistics.median(x.get(p, 0.0) - y.get(p, 0.0) for x, y in pairs) for p in (*PARTS, "total")]
+
+
 def against_first(arms: list[str], plain: dict[str, list[dict]]) -> str:
     """Every other arm's paired per-round difference (ms, median over rounds) per part and ratio against the first
     arm named, from the interleaved rounds."""
@@ -225,11 +228,8 @@ def against_first(arms: list[str], plain: dict[str, list[dict]]) -> str:
         "|---" * (len(PARTS) + 4) + "|",
     ]
     for arm in arms[1:]:
-        pairs = list(zip(plain[arm], plain[first], strict=True))
-        ratios = [x["total"] / y["total"] for x, y in pairs]
-        diffs = [
-            f"{statistics.median(x.get(p, 0.0) - y.get(p, 0.0) for x, y in pairs):+.3f}" for p in (*PARTS, "total")
-        ]
+        ratios = [x["total"] / y["total"] for x, y in zip(plain[arm], plain[first], strict=True)]
+        diffs = [f"{d:+.3f}" for d in paired_medians(plain[arm], plain[first])]
         lines.append(
             f"| {arm} | "
             + " | ".join(diffs)
@@ -310,12 +310,9 @@ def main(argv: list[str]) -> None:
                 + " | ".join(f"{statistics.median(r.get(p, 0.0) for r in plain[arm]):.2f}" for p in (*PARTS, "total"))
                 + " |"
             )
-        pairs = list(zip(plain["default"], plain["bare"], strict=True))
         print(
             "| default - bare | "
-            + " | ".join(
-                f"{statistics.median(d.get(p, 0.0) - b.get(p, 0.0) for d, b in pairs):+.3f}" for p in (*PARTS, "total")
-            )
+            + " | ".join(f"{d:+.3f}" for d in paired_medians(plain["default"], plain["bare"]))
             + " |"
         )
     if ratios:
