@@ -3,15 +3,20 @@
     OMP_NUM_THREADS=1 python benchmarks/engine_overhead.py [--engines ddp zero2 fsdp2] [--rounds 4] [--steps 40]
                                                        [--hidden 256] [--layers 4]
 
-Starts itself on 2 gloo ranks (one torchrun per engine). Per engine, arms alternate inside the one run: `off` (StableTrainer, no
-callbacks) and `on` (StableTrainer + the recipe's default monitors and guards), `--rounds` times each, on a small
-LoRA Llama (`--hidden`, `--layers`; batch 4 x 64 tokens per rank). Time: the train loop after 5 warm-up steps (rank 0's wall clock; both ranks
-share the 2 cores). Collectives: every `torch.distributed` collective entered, counted on rank 0 per timed step (from
-one `on_step_begin` to the next); the engine's own are in both arms. What hf_stable adds is split in two: the
+Starts itself on 2 gloo ranks (one torchrun per engine). Per engine, arms alternate inside the one run: `off`
+(StableTrainer, no callbacks) and `on` (StableTrainer + the recipe's default monitors and guards), `--rounds` times
+each, each arm first in every other round, on a small LoRA Llama (`--hidden`, `--layers`; batch 4 x 64 tokens per
+rank), each rank pinned to a core of its own when there are enough. Time: the train loop after 5 warm-up steps, rank
+0's wall clock. `overhead` is the median over rounds of each round's own on / off ratio, with its min and max: on a
+2-core machine a run's time scatters by several percent, so take 6 or more rounds.
+
+Collectives: every `torch.distributed` collective entered, counted on rank 0 per timed step (from one
+`on_step_begin` to the next); the engine's own are in both arms. What hf_stable adds is split in two: the
 collectives every step pays (the fewest any timed step entered, on minus off) and those of checks that run at an
 interval (logging steps, the replica check, the update monitor: the rest of the mean, per step).
 
-Last lines: `engine=E overhead=R collectives_added_per_step=C interval_collectives_per_step=I`.
+Last lines: `engine=E overhead=R overhead_min=m overhead_max=M collectives_added_per_step=C
+interval_collectives_per_step=I`.
 """
 
 from __future__ import annotations
@@ -76,6 +81,9 @@ def _worker(engines: list[str], rounds: int, steps: int, hidden: int, layers: in
     counter = _count_collectives()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= int(os.environ["WORLD_SIZE"]):  # a core of its own per rank: less scatter from the scheduler
+        os.sched_setaffinity(0, {cores[rank]})
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -98,8 +106,8 @@ def _worker(engines: list[str], rounds: int, steps: int, hidden: int, layers: in
         times: dict[str, list[float]] = {"off": [], "on": []}
         calls: dict[str, list[int]] = {"off": [], "on": []}
         fewest: dict[str, list[int]] = {"off": [], "on": []}  # the collectives every timed step entered
-        for _ in range(rounds):
-            for arm in ("off", "on"):
+        for k in range(rounds):
+            for arm in ("off", "on") if k % 2 == 0 else ("on", "off"):  # each arm first in every other round
                 cfg = RunConfig()
                 callbacks = [*build_monitors(cfg.stability.monitors), *build_guards(cfg.stability.guards)]
                 clock = Clock()
@@ -118,7 +126,8 @@ def _worker(engines: list[str], rounds: int, steps: int, hidden: int, layers: in
                 calls[arm].append(clock.collectives)
                 fewest[arm].append(min(clock.per_step))
         timed = steps - WARMUP
-        ratio = statistics.median(times["on"]) / statistics.median(times["off"])
+        paired = [on / off for on, off in zip(times["on"], times["off"], strict=True)]  # each round: on against off
+        ratio = statistics.median(paired)
         added = (statistics.median(calls["on"]) - statistics.median(calls["off"])) / timed
         every_step = statistics.median(fewest["on"]) - statistics.median(fewest["off"])
         interval = added - every_step
@@ -126,11 +135,13 @@ def _worker(engines: list[str], rounds: int, steps: int, hidden: int, layers: in
             print(
                 f"{engine}: off {statistics.median(times['off']) / timed * 1e3:.1f} ms/step, "
                 f"on {statistics.median(times['on']) / timed * 1e3:.1f} ms/step; collectives per step "
-                f"off {statistics.median(calls['off']) / timed:.2f}, on {statistics.median(calls['on']) / timed:.2f}",
+                f"off {statistics.median(calls['off']) / timed:.2f}, on {statistics.median(calls['on']) / timed:.2f}; "
+                f"paired per-round ratios {' '.join(f'{r:.3f}' for r in paired)}",
                 flush=True,
             )
         lines.append(
-            f"engine={engine} overhead={ratio:.3f} collectives_added_per_step={every_step:.2f} "
+            f"engine={engine} overhead={ratio:.3f} overhead_min={min(paired):.3f} overhead_max={max(paired):.3f} "
+            f"collectives_added_per_step={every_step:.2f} "
             f"interval_collectives_per_step={interval:.2f}"
         )
     if rank == 0:
