@@ -218,6 +218,11 @@ def paired_medians(rows: list[dict], reference: list[dict]) -> list[float]:
     return [statistics.median(x.get(p, 0.0) - y.get(p, 0.0) for x, y in pairs) for p in (*PARTS, "total")]
 
 
+def paired_ratios(rows: list[dict], reference: list[dict]) -> list[float]:
+    """Each round's total of `rows` over the same round's total of `reference`."""
+    return [x["total"] / y["total"] for x, y in zip(rows, reference, strict=True)]
+
+
 def against_first(arms: list[str], plain: dict[str, list[dict]]) -> str:
     """Every other arm's paired per-round difference (ms, median over rounds) per part and ratio against the first
     arm named, from the interleaved rounds."""
@@ -228,7 +233,7 @@ def against_first(arms: list[str], plain: dict[str, list[dict]]) -> str:
         "|---" * (len(PARTS) + 4) + "|",
     ]
     for arm in arms[1:]:
-        ratios = [x["total"] / y["total"] for x, y in zip(plain[arm], plain[first], strict=True)]
+        ratios = paired_ratios(plain[arm], plain[first])
         diffs = [f"{d:+.3f}" for d in paired_medians(plain[arm], plain[first])]
         lines.append(
             f"| {arm} | "
@@ -267,24 +272,19 @@ def main(argv: list[str]) -> None:
     if len(set(arms)) != len(arms):
         p.error(f"--arms names an arm twice: {a.arms}")
     results: dict[str, list[dict]] = {arm: [] for arm in arms}  # the instrumented runs: the per-part table
-    totals: dict[str, list[float]] = {arm: [] for arm in arms}  # the plain runs: the paired ratio
-    plain: dict[str, list[dict]] = {arm: [] for arm in arms}  # ... and their common parts
-    ratios = []
+    plain: dict[str, list[dict]] = {arm: [] for arm in arms}  # the plain runs' common parts: the paired ratio
     with tempfile.TemporaryDirectory() as out:
         prepared = prepare(a.steps, out, a.adamw_impl, a.set)
         for r in range(a.rounds):  # plain rounds: the arms' steps interleaved, only the common parts timed
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
             parts = run_interleaved(order, prepared, a.clock)
             for arm in order:
-                totals[arm].append(parts[arm]["total"])
                 plain[arm].append(parts[arm])
                 print(
                     f"round={r} plain arm={arm} "
                     + " ".join(f"{p}={parts[arm].get(p, 0.0):.2f}" for p in (*PARTS, "total")),
                     flush=True,
                 )
-            if "bare" in parts and "default" in parts:
-                ratios.append(parts["default"]["total"] / parts["bare"]["total"])
         for r in range(a.breakdown_rounds):  # instrumented rounds, one arm at a time: the per-part table
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
             for arm in order:
@@ -297,6 +297,7 @@ def main(argv: list[str]) -> None:
     )
     if a.breakdown_rounds:
         print(table(results, a.breakdown_rounds))
+    ratios = paired_ratios(plain["default"], plain["bare"]) if {"bare", "default"} <= set(arms) else []
     nan = float("nan")
     if plain.get("bare") and plain.get("default"):
         print(
